@@ -1,0 +1,158 @@
+"""Run configuration: one dataclass whose field names are the CLI flags.
+
+`--max-seq-len` on the command line is `max_seq_len` here. The parser is generated from the
+dataclass so the two can never drift apart. Validation that needs no process group (batch
+arithmetic, ranges, paths) happens here, before rendezvous, so a bad value fails every rank
+at once with a message instead of leaving some rank waiting in a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Any
+
+# Fields that may legitimately differ between hosts of one run (paths, logging). Everything
+# else must be identical on every rank and goes into the run fingerprint.
+PER_HOST_FIELDS = frozenset(
+    {"data_dir", "tokenizer_dir", "out_dir", "tracking_uri", "compile", "collective_timeout"}
+)
+
+
+@dataclass
+class TrainConfig:
+    # where things are
+    data_dir: str = field(default="data", metadata={"help": "parquet shards + manifest.json"})
+    tokenizer_dir: str = field(default="tokenizer", metadata={"help": "dir holding tokenizer.json"})
+    out_dir: str = field(default="runs", metadata={"help": "checkpoints and the local MLflow store"})
+    run_name: str = field(default="base", metadata={"help": "names the checkpoint dir and the MLflow run"})
+    tracking_uri: str = field(
+        default="", metadata={"help": "MLflow tracking URI; empty = sqlite store under --out-dir; 'none' disables"}
+    )
+    # device truth: what the user asked for, never what hardware happens to exist
+    device: str = field(default="cpu", metadata={"choices": ("cpu", "cuda"), "help": "device to train on"})
+    dtype: str = field(
+        default="auto",
+        metadata={"choices": ("auto", "float32", "bfloat16"), "help": "auto: fp32 on CPU, bf16 on CUDA"},
+    )
+    compile: str = field(
+        default="auto", metadata={"choices": ("auto", "on", "off"), "help": "torch.compile; auto = where measured faster"}
+    )
+    # model shape (nanochat's: width follows depth)
+    depth: int = field(default=4, metadata={"help": "number of transformer blocks"})
+    aspect_ratio: int = field(default=64, metadata={"help": "model_dim = depth * aspect_ratio (rounded to head_dim)"})
+    head_dim: int = field(default=128, metadata={"help": "attention head dimension"})
+    window_pattern: str = field(default="SSSL", metadata={"help": "per-layer windows: S = half context, L = full"})
+    max_seq_len: int = field(default=512, metadata={"help": "context length in tokens"})
+    # batch
+    device_batch_size: int = field(default=2, metadata={"help": "sequences per rank per micro-step"})
+    total_batch_size: int = field(default=1024, metadata={"help": "tokens per optimizer step over all ranks"})
+    # schedule
+    num_iterations: int = field(default=200, metadata={"help": "optimizer steps"})
+    warmup_ratio: float = field(default=0.0, metadata={"help": "fraction of steps of linear LR warmup"})
+    warmdown_ratio: float = field(default=0.2, metadata={"help": "fraction of steps of linear LR decay at the end"})
+    final_lr_frac: float = field(default=0.0, metadata={"help": "LR at the end, as a fraction of the peak"})
+    matrix_lr: float = field(default=0.02, metadata={"help": "Muon LR for the block matrices"})
+    embedding_lr: float = field(default=0.2, metadata={"help": "AdamW LR for embeddings"})
+    unembedding_lr: float = field(default=0.004, metadata={"help": "AdamW LR for the LM head"})
+    scalar_lr: float = field(default=0.5, metadata={"help": "AdamW LR for the per-layer scalars"})
+    weight_decay: float = field(default=0.0, metadata={"help": "decoupled weight decay on matrices"})
+    muon_dtype: str = field(
+        default="auto",
+        metadata={"choices": ("auto", "float32", "bfloat16"), "help": "Newton-Schulz dtype; auto: bf16 where native"},
+    )
+    # evaluation, logging, checkpoints
+    eval_every: int = field(default=100, metadata={"help": "steps between val bpb evaluations (0 = only at end)"})
+    eval_tokens: int = field(default=16384, metadata={"help": "validation tokens per evaluation"})
+    sample_every: int = field(default=100, metadata={"help": "steps between samples from the model (0 = never)"})
+    checkpoint_every: int = field(default=50, metadata={"help": "steps between checkpoints (0 = only at end)"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "complete checkpoints to keep"})
+    resume: str = field(default="auto", metadata={"choices": ("auto", "never"), "help": "resume from latest checkpoint"})
+    checksum_every: int = field(default=50, metadata={"help": "steps between cross-rank parameter checksums"})
+    collective_timeout: float = field(
+        default=600.0, metadata={"help": "seconds a rank may wait in one collective before it exits"}
+    )
+    seed: int = field(default=42, metadata={"help": "RNG seed (same on every rank)"})
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before any rank joins a collective."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    # allow_abbrev=False: `--run` must never silently mean `--run-name` (FAILURES row 10)
+    parser = argparse.ArgumentParser(prog="nanochat_cpu.train", allow_abbrev=False)
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help", "")}
+        kwargs["type"] = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        parser.add_argument(flag, dest=f.name, **kwargs)
+    return parser
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    args = build_parser().parse_args(argv)
+    return TrainConfig(**vars(args))
+
+
+def world_size_from_env() -> int:
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def nearest_valid_totals(unit: int, total: int) -> tuple[int, int]:
+    below = max(unit, (total // unit) * unit)
+    above = below if below >= total else below + unit
+    return below, above
+
+
+def validate(cfg: TrainConfig, world_size: int) -> None:
+    """Raise ConfigError naming the host, the value and the fix."""
+    host = socket.gethostname()
+    positive = ("depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size",
+                "total_batch_size", "num_iterations", "eval_tokens", "keep_checkpoints")
+    for name in positive:
+        value = getattr(cfg, name)
+        if value <= 0:
+            raise ConfigError(f"[{host}] --{name.replace('_', '-')}={value}: must be a positive integer")
+    for name in ("eval_every", "sample_every", "checkpoint_every", "checksum_every"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"[{host}] --{name.replace('_', '-')}={getattr(cfg, name)}: must be >= 0")
+    if cfg.collective_timeout <= 0:
+        raise ConfigError(f"[{host}] --collective-timeout={cfg.collective_timeout}: must be > 0 seconds")
+    for name in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):
+        if not 0.0 <= getattr(cfg, name) <= 1.0:
+            raise ConfigError(f"[{host}] --{name.replace('_', '-')}={getattr(cfg, name)}: must be in [0, 1]")
+    if cfg.warmup_ratio + cfg.warmdown_ratio > 1.0:
+        raise ConfigError(f"[{host}] --warmup-ratio + --warmdown-ratio = {cfg.warmup_ratio + cfg.warmdown_ratio} > 1")
+    if not cfg.window_pattern or set(cfg.window_pattern) - {"S", "L"}:
+        raise ConfigError(f"[{host}] --window-pattern={cfg.window_pattern!r}: use only the letters S and L, e.g. SSSL")
+    unit = cfg.device_batch_size * cfg.max_seq_len * world_size
+    if cfg.total_batch_size % unit:
+        below, above = nearest_valid_totals(unit, cfg.total_batch_size)
+        raise ConfigError(
+            f"[{host}] --total-batch-size={cfg.total_batch_size} is not divisible by "
+            f"device_batch_size x max_seq_len x world_size = {cfg.device_batch_size} x {cfg.max_seq_len} x "
+            f"{world_size} = {unit}. Nearest valid --total-batch-size: {below} or {above} "
+            f"(or change --device-batch-size / --max-seq-len)."
+        )
+    for name in ("data_dir", "tokenizer_dir"):
+        path = getattr(cfg, name)
+        if not os.path.isdir(path):
+            raise ConfigError(f"[{host}] --{name.replace('_', '-')}={path}: no such directory (run site.yml to push it)")
+
+
+def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
+    return cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * world_size)
+
+
+def config_hash(cfg: TrainConfig) -> str:
+    """Hash of the fields that must agree on every rank (paths and logging excluded)."""
+    shared = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_HOST_FIELDS}
+    return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()

@@ -1,0 +1,611 @@
+"""The dataset: parquet shards of documents, a manifest of their checksums, and the loader.
+
+A data dir is `manifest.json` + `shard_00000.parquet ...`, each shard a single `text` column
+in several row groups. The manifest lists every file with its size, sha256 and row count;
+the last file is the validation shard. Ranks hash the manifest before step 0 and `verify`
+re-hashes the files, so two nodes can never silently train on different data (FAILURES.md 1).
+
+    python -m nanochat_cpu.data corpus --out DIR          # offline English: Debian `fortunes`
+    python -m nanochat_cpu.data prepare --source PATH... --out DIR
+    python -m nanochat_cpu.data fetch -n N --out DIR      # ClimbMix shards, as nanochat
+    python -m nanochat_cpu.data verify --data-dir DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import http.client
+import json
+import math
+import os
+import random
+import re
+import socket
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.error import HTTPError
+from urllib.request import Request, urlopen
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+if TYPE_CHECKING:
+    import torch
+
+    from nanochat_cpu.tokenizer import Tokenizer
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+FORTUNES_DIR = Path("/usr/share/games/fortunes")
+# Fortune files that are pictures rather than prose.
+FORTUNES_SKIP = frozenset({"art", "ascii-art"})
+# nanochat's pretraining data: ClimbMix, shard_00000 ... shard_06542, the last pinned as val.
+DEFAULT_BASE_URL = "https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main"
+DEFAULT_VAL_INDEX = 6542
+CHUNK_BYTES = 1 << 20
+USER_AGENT = "nanochat_cpu-fetch/0.1"
+
+
+# -----------------------------------------------------------------------------
+# Files and the manifest
+
+
+def shard_name(index: int) -> str:
+    return f"shard_{index:05d}.parquet"
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _tmp_path(path: Path) -> Path:
+    return path.with_name(path.name + ".tmp")
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    """Readers see the old file or the new one, never half of one."""
+    tmp = _tmp_path(path)
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def file_entry(path: Path) -> dict[str, Any]:
+    """One manifest row. Reading the row count also proves the parquet footer is intact."""
+    rows = pq.read_metadata(path).num_rows
+    return {"file": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path), "rows": rows}
+
+
+def write_manifest(data_dir: Path, entries: list[dict[str, Any]], val_file: str) -> dict[str, Any]:
+    names = [e["file"] for e in entries]
+    if not entries or names[-1] != val_file:
+        raise ValueError(f"the val file must be the last of the manifest, got {val_file!r} for {names}")
+    manifest = {"format": MANIFEST_FORMAT, "files": entries, "val_file": val_file}
+    write_bytes_atomic(data_dir / MANIFEST, (json.dumps(manifest, indent=1) + "\n").encode())
+    return manifest
+
+
+def read_manifest(data_dir: str | Path) -> dict[str, Any]:
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: prepare, fetch or re-push the dataset first")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != MANIFEST_FORMAT:
+        raise ValueError(f"{path}: format {manifest.get('format')!r}, this code reads {MANIFEST_FORMAT}")
+    return manifest
+
+
+def manifest_hash(data_dir: str | Path) -> str:
+    """sha256 of manifest.json's bytes: part of the run fingerprint every rank compares."""
+    return sha256_file(Path(data_dir) / MANIFEST)
+
+
+def split_files(manifest: dict[str, Any], split: str) -> list[str]:
+    """Shard names of a split, in manifest order: val is the val_file, train all the others."""
+    if split not in ("train", "val"):
+        raise ValueError(f"split must be 'train' or 'val', got {split!r}")
+    names = [e["file"] for e in manifest["files"]]
+    if split == "val":
+        return [manifest["val_file"]]
+    return [n for n in names if n != manifest["val_file"]]
+
+
+def row_group_pairs(data_dir: str | Path, split: str) -> list[tuple[str, int]]:
+    """Every (shard, row group) of a split, flat and in order: the unit ranks share out."""
+    pairs = []
+    for name in split_files(read_manifest(data_dir), split):
+        num_groups = pq.read_metadata(Path(data_dir) / name).num_row_groups
+        pairs.extend((name, i) for i in range(num_groups))
+    return pairs
+
+
+def read_texts(data_dir: str | Path, pair: tuple[str, int]) -> list[str]:
+    name, group = pair
+    table = pq.ParquetFile(Path(data_dir) / name).read_row_group(group, columns=["text"])
+    return table.column("text").to_pylist()
+
+
+def iter_texts(data_dir: str | Path, split: str) -> Iterator[list[str]]:
+    """The documents of a split, one list per row group."""
+    for pair in row_group_pairs(data_dir, split):
+        yield read_texts(data_dir, pair)
+
+
+# -----------------------------------------------------------------------------
+# Text files -> documents -> shards
+
+_FORTUNE_SEPARATOR = re.compile(r"^%[ \t]*$", re.MULTILINE)
+_BLANK_LINES = re.compile(r"\n[ \t]*\n")
+# Old fortune files underline and embolden with backspaces ("_\bW", "W\bW"); keep what shows.
+_OVERSTRIKE = re.compile(r"[^\n]\x08")
+
+
+def read_documents(path: Path) -> list[str]:
+    """A fortune file (entries between lines of just `%`) or plain text (paragraphs)."""
+    text = path.read_bytes().decode("utf-8", errors="replace").replace("\r\n", "\n")
+    text = _OVERSTRIKE.sub("", text)
+    separator = _FORTUNE_SEPARATOR if _FORTUNE_SEPARATOR.search(text) else _BLANK_LINES
+    docs = (part.strip("\n").rstrip() for part in separator.split(text))
+    return [d for d in docs if d.strip()]
+
+
+def _looks_like_text(path: Path) -> bool:
+    with open(path, "rb") as f:
+        return b"\x00" not in f.read(8192)
+
+
+def source_files(sources: Sequence[str | Path]) -> list[Path]:
+    """Files named, and text files under directories named, in a stable order."""
+    files: list[Path] = []
+    for source in map(Path, sources):
+        if source.is_file():
+            files.append(source)
+        elif source.is_dir():
+            found = sorted(p for p in source.rglob("*") if p.is_file() and not p.name.startswith("."))
+            files.extend(p for p in found if _looks_like_text(p))
+        else:
+            raise FileNotFoundError(f"--source {source}: no such file or directory")
+    return files
+
+
+def collect_documents(sources: Sequence[str | Path]) -> list[str]:
+    docs: list[str] = []
+    for path in source_files(sources):
+        docs.extend(read_documents(path))
+    return docs
+
+
+def _write_shard(path: Path, docs: list[str], rows_per_group: int) -> None:
+    table = pa.table({"text": pa.array(docs, type=pa.string())})
+    tmp = _tmp_path(path)
+    pq.write_table(table, tmp, row_group_size=rows_per_group, compression="zstd")
+    os.replace(tmp, path)
+
+
+def write_shards(
+    docs: Sequence[str],
+    out: str | Path,
+    rows_per_group: int = 1024,
+    groups_per_shard: int = 4,
+    val_docs: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Shuffle docs (seeded), write train shards then one val shard, then the manifest."""
+    if rows_per_group < 1 or groups_per_shard < 1:
+        raise ValueError("--rows-per-group and --groups-per-shard must be at least 1")
+    docs = list(docs)
+    per_shard = rows_per_group * groups_per_shard
+    if val_docs is None:
+        val_docs = max(1, min(per_shard, len(docs) // 10))
+    if not 1 <= val_docs < len(docs):
+        raise ValueError(f"need 1 <= val docs < {len(docs)} documents, got {val_docs}")
+    random.Random(seed).shuffle(docs)
+    train, val = docs[:-val_docs], docs[-val_docs:]
+    chunks = [train[i : i + per_shard] for i in range(0, len(train), per_shard)] + [val]
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    # No manifest while shards are rewritten: a half-written dir must never look valid.
+    pass
+    entries = []
+    for index, chunk in enumerate(chunks):
+        path = out / shard_name(index)
+        _write_shard(path, chunk, rows_per_group)
+        entries.append(file_entry(path))
+    names = {e["file"] for e in entries}
+    for stale in out.glob("shard_*.parquet"):
+        if stale.name not in names:
+            stale.unlink()
+    return write_manifest(out, entries, val_file=entries[-1]["file"])
+
+
+def prepare(
+    sources: Sequence[str | Path],
+    out: str | Path,
+    rows_per_group: int = 1024,
+    groups_per_shard: int = 4,
+    val_docs: int | None = None,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Text files (or dirs of them) -> shards + manifest in out."""
+    docs = collect_documents(sources)
+    return write_shards(docs, out, rows_per_group, groups_per_shard, val_docs, seed)
+
+
+def fortune_files(root: Path = FORTUNES_DIR) -> list[Path]:
+    """The prose fortune files: not the strfile indexes (.dat), not the .u8 links, not art."""
+    if not root.is_dir():
+        return []
+    return sorted(
+        p
+        for p in root.iterdir()
+        if p.is_file() and not p.is_symlink() and p.suffix not in (".dat", ".u8") and p.name not in FORTUNES_SKIP
+    )
+
+
+def corpus(out: str | Path, root: Path = FORTUNES_DIR, shards: int = 8, groups_per_shard: int = 4) -> dict[str, Any]:
+    """The offline demo corpus: every fortune, as `shards` shards of `groups_per_shard` row groups."""
+    files = fortune_files(root)
+    if not files:
+        raise FileNotFoundError(f"no fortune files in {root}: install them with `apt-get install fortunes`")
+    docs = collect_documents(files)
+    rows_per_group = math.ceil(len(docs) / (shards * groups_per_shard))
+    per_shard = rows_per_group * groups_per_shard
+    return write_shards(docs, out, rows_per_group, groups_per_shard, val_docs=min(per_shard, len(docs) // 2))
+
+
+# -----------------------------------------------------------------------------
+# Download (ClimbMix, nanochat's layout), resumable
+
+
+class ShortDownload(OSError):
+    """The server closed the connection before the whole file arrived (retryable)."""
+
+
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+def _expected_total(resp: http.client.HTTPResponse, offset: int) -> tuple[int, int | None]:
+    """(offset the body starts at, total file size or None if the server did not say)."""
+    if resp.status == 206:
+        m = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", ""))
+        if not m:
+            raise ShortDownload(f"206 without a usable Content-Range: {resp.headers.get('Content-Range')!r}")
+        start, total = int(m.group(1)), m.group(3)
+        return start, None if total == "*" else int(total)
+    # 200: the server ignored our Range, the body is the whole file
+    length = resp.headers.get("Content-Length")
+    return 0, None if length is None else int(length)
+
+
+def _download_once(url: str, part: Path, timeout: float) -> None:
+    """One request: append to part from where it stops, or restart it if the server won't."""
+    offset = part.stat().st_size if part.exists() else 0
+    headers = {"User-Agent": USER_AGENT}
+    if offset:
+        headers["Range"] = f"bytes={offset}-"
+    try:
+        resp = urlopen(Request(url, headers=headers), timeout=timeout)
+    except HTTPError as e:
+        # 416: nothing left after offset. Fine if the part is whole, else start over.
+        if e.code == 416 and offset:
+            m = re.fullmatch(r"bytes \*/(\d+)", e.headers.get("Content-Range", ""))
+            if m and int(m.group(1)) == offset:
+                return
+            part.unlink()
+            raise ShortDownload(f"server refused range from byte {offset}; restarting") from e
+        raise
+    with resp:
+        start, total = _expected_total(resp, offset)
+        if start not in (0, offset):
+            raise ShortDownload(f"asked for byte {offset}, server sent from byte {start}")
+        with open(part, "ab" if start else "wb") as f:
+            while chunk := resp.read(CHUNK_BYTES):
+                f.write(chunk)
+    # http.client returns b"" (no error) when a peer closes early, so check the size here.
+    size = part.stat().st_size
+    if total is not None and size != total:
+        raise ShortDownload(f"connection closed at byte {size} of {total}")
+
+
+def download(url: str, dest: Path, timeout: float = 30.0, retries: int = 5, backoff_s: float = 2.0) -> None:
+    """url -> dest via dest.part: resumes with HTTP Range, retries with exponential backoff,
+    checks the parquet footer, renames into place only when whole."""
+    part = dest.with_name(dest.name + ".part")
+    for attempt in range(1, retries + 1):
+        try:
+            _download_once(url, part, timeout)
+            pq.read_metadata(part)  # raises unless the parquet footer arrived whole
+            os.replace(part, dest)
+            return
+        except HTTPError as e:
+            # 4xx other than 408/429 will not get better by asking again
+            if 400 <= e.code < 500 and e.code not in (408, 429):
+                raise RuntimeError(f"fetch {url}: HTTP {e.code} {e.reason}") from e
+            error: Exception = e
+        except pa.ArrowException as e:
+            part.unlink(missing_ok=True)  # complete but not parquet: resuming cannot fix it
+            error = e
+        except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, resets, ShortDownload
+            error = e
+        kept = part.stat().st_size if part.exists() else 0
+        if attempt == retries:
+            raise RuntimeError(f"fetch {url}: gave up after {retries} attempts ({kept} bytes kept in {part}): {error}")
+        wait = backoff_s * 2 ** (attempt - 1)
+        print(f"  {dest.name}: attempt {attempt}/{retries} failed: {error}; {kept} bytes kept, retry in {wait:.0f}s")
+        time.sleep(wait)
+
+
+def fetch(
+    num_train: int,
+    out: str | Path,
+    base_url: str = DEFAULT_BASE_URL,
+    val_index: int = DEFAULT_VAL_INDEX,
+    timeout: float = 30.0,
+    retries: int = 5,
+    backoff_s: float = 2.0,
+) -> dict[str, Any]:
+    """Shards 0..num_train-1 plus the pinned val shard (fetched last), then the manifest.
+
+    As in nanochat, -n counts train shards and the val shard always comes too. sha256 and
+    row counts are computed here: the server publishes no checksums we could check against.
+    """
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    indices = [*range(min(num_train, val_index)), val_index]
+    entries = []
+    for index in indices:
+        dest = out / shard_name(index)
+        url = f"{base_url.rstrip('/')}/{dest.name}"
+        if dest.exists():
+            try:
+                entries.append(file_entry(dest))
+                print(f"{dest.name}: present, {dest.stat().st_size / 1e6:.1f} MB")
+                continue
+            except pa.ArrowException:
+                print(f"{dest.name}: present but not valid parquet; fetching again")
+                dest.unlink()
+        part = dest.with_name(dest.name + ".part")
+        resumed = part.stat().st_size if part.exists() else 0
+        t0 = time.monotonic()
+        download(url, dest, timeout, retries, backoff_s)
+        seconds = max(time.monotonic() - t0, 1e-6)
+        entry = file_entry(dest)
+        entries.append(entry)
+        moved = (entry["bytes"] - resumed) / 1e6
+        note = f", resumed at {resumed / 1e6:.1f} MB" if resumed else ""
+        print(
+            f"{dest.name}: {entry['bytes'] / 1e6:.1f} MB, {entry['rows']} rows, {moved / seconds:.1f} MB/s{note}, "
+            f"sha256 {entry['sha256'][:16]}"
+        )
+    return write_manifest(out, entries, val_file=entries[-1]["file"])
+
+
+# -----------------------------------------------------------------------------
+# Verify
+
+
+def verify(data_dir: str | Path) -> list[str]:
+    """Re-hash every file against the manifest; one line per problem, empty when all match."""
+    data_dir = Path(data_dir)
+    host = socket.gethostname()
+    fix = "(fix: re-run site.yml to re-push the dataset)"
+    try:
+        manifest = read_manifest(data_dir)
+    except (OSError, ValueError) as e:
+        return [f"data verify FAILED on {host}: {MANIFEST}: {e} {fix}"]
+    problems = []
+    for entry in manifest["files"]:
+        path = data_dir / entry["file"]
+        found = sha256_file(path) if path.is_file() else "no file"
+        if found != entry["sha256"]:
+            problems.append(
+                f"data verify FAILED on {host}: {entry['file']}: expected sha256 {entry['sha256']}, found {found} {fix}"
+            )
+    return problems
+
+
+# -----------------------------------------------------------------------------
+# The token loader
+
+
+class TokenLoader:
+    """Packs BOS-prefixed documents into rows of seq_len+1 tokens; yields (inputs, targets).
+
+    Row groups are shared out over one flat list of (shard, row group) pairs, rank r taking
+    the pairs whose index % world_size == r, so any world size works. The position is the
+    next unread token: (epoch, pair, document, token offset). A loader built from
+    state_dict() yields exactly the batches the original would have yielded next.
+    Train repeats forever (epoch counts the passes); val stops after its last full batch.
+    """
+
+    def __init__(
+        self,
+        data_dir: str | Path,
+        tokenizer: Tokenizer,
+        split: str,
+        batch_size: int,
+        seq_len: int,
+        rank: int = 0,
+        world_size: int = 1,
+        state: dict[str, Any] | None = None,
+        *,
+        num_threads: int | None = None,
+    ) -> None:
+        if batch_size < 1 or seq_len < 1:
+            raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        self.data_dir = Path(data_dir)
+        self.tokenizer = tokenizer
+        self.split = split
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.rank = rank
+        self.world_size = world_size
+        self.num_threads = num_threads
+        all_pairs = row_group_pairs(self.data_dir, split)
+        self.pairs = all_pairs[rank::world_size]
+        if not self.pairs:
+            raise ValueError(
+                f"{split} split of {self.data_dir} has {len(all_pairs)} row groups, too few for rank {rank} "
+                f"of world_size {world_size}: re-prepare it with a smaller --rows-per-group"
+            )
+        self.epoch = self.pair_index = self.doc_index = self.token_offset = 0
+        if state is not None:
+            self._load_state(state)
+        self._docs: list[list[int]] = []
+        self._docs_pair = -1  # pair index self._docs was tokenized from
+        self._done = False
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "split": self.split,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "epoch": self.epoch,
+            "pair_index": self.pair_index,
+            "doc_index": self.doc_index,
+            "token_offset": self.token_offset,
+        }
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        mine = {"split": self.split, "rank": self.rank, "world_size": self.world_size}
+        theirs = {k: state.get(k) for k in mine}
+        if theirs != mine:
+            raise ValueError(f"loader state is for {theirs}, this loader is {mine}: positions do not carry over")
+        self.epoch = int(state["epoch"])
+        self.pair_index = int(state["pair_index"])
+        self.doc_index = int(state["doc_index"])
+        self.token_offset = int(state["token_offset"])
+
+    def _current_doc(self) -> list[int] | None:
+        """Tokens of the document at the position, moving on past ended row groups and epochs;
+        None when the val split is used up."""
+        empty_pairs = 0
+        while True:
+            if self.pair_index >= len(self.pairs):
+                if self.split == "val":
+                    return None
+                self.epoch += 1
+                self.pair_index = self.doc_index = self.token_offset = 0
+            if self._docs_pair != self.pair_index:
+                texts = read_texts(self.data_dir, self.pairs[self.pair_index])
+                bos = self.tokenizer.bos_id
+                self._docs = [[bos, *ids] for ids in self.tokenizer.encode_batch(texts, self.num_threads)]
+                self._docs_pair = self.pair_index
+            if self.doc_index < len(self._docs):
+                return self._docs[self.doc_index]
+            empty_pairs += 1 if not self._docs else 0
+            if empty_pairs > len(self.pairs):
+                raise ValueError(f"every row group of rank {self.rank}'s {self.split} share is empty")
+            self.pair_index += 1
+            self.doc_index = self.token_offset = 0
+
+    def _take(self, n: int) -> list[int] | None:
+        out: list[int] = []
+        while len(out) < n:
+            doc = self._current_doc()
+            if doc is None:
+                return None
+            piece = doc[self.token_offset : self.token_offset + n - len(out)]
+            out.extend(piece)
+            self.token_offset += len(piece)
+            if self.token_offset >= len(doc):
+                self.doc_index += 1
+                self.token_offset = 0
+        return out
+
+    def __iter__(self) -> TokenLoader:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch  # here, not at the top: prepare/fetch/verify run where torch is not needed
+
+        if self._done:
+            raise StopIteration
+        tokens = self._take(self.batch_size * (self.seq_len + 1))
+        if tokens is None:  # val: a last partial batch is dropped
+            self._done = True
+            raise StopIteration
+        rows = torch.tensor(tokens, dtype=torch.long).view(self.batch_size, self.seq_len + 1)
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+
+
+# -----------------------------------------------------------------------------
+# Command line
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m nanochat_cpu.data", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+
+    p = sub.add_parser("prepare", help="text files or dirs -> parquet shards + manifest")
+    p.add_argument("--source", nargs="+", required=True, type=Path, help="text files or directories")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--rows-per-group", type=int, default=1024)
+    p.add_argument("--groups-per-shard", type=int, default=4)
+    p.add_argument("--val-docs", type=int, default=None, help="documents in the val shard (default: one shard)")
+    p.add_argument("--seed", type=int, default=0, help="shuffle seed")
+
+    p = sub.add_parser("corpus", help="the offline English demo corpus from Debian's `fortunes`")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--fortunes-dir", type=Path, default=FORTUNES_DIR, help=argparse.SUPPRESS)
+
+    p = sub.add_parser("fetch", help="download ClimbMix shards (train 0..N-1 + the val shard)")
+    p.add_argument("-n", "--num-files", type=int, required=True, help="number of train shards")
+    p.add_argument("--out", required=True, type=Path)
+    p.add_argument("--base-url", default=DEFAULT_BASE_URL)
+    p.add_argument("--val-index", type=int, default=DEFAULT_VAL_INDEX, help="index of the pinned val shard")
+    p.add_argument("--timeout", type=float, default=30.0, help="seconds per socket operation")
+    p.add_argument("--retries", type=int, default=5)
+
+    p = sub.add_parser("verify", help="re-hash every file against manifest.json")
+    p.add_argument("--data-dir", required=True, type=Path)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.cmd == "prepare":
+            m = prepare(args.source, args.out, args.rows_per_group, args.groups_per_shard, args.val_docs, args.seed)
+        elif args.cmd == "corpus":
+            m = corpus(args.out, root=args.fortunes_dir)
+        elif args.cmd == "fetch":
+            m = fetch(args.num_files, args.out, args.base_url, args.val_index, args.timeout, args.retries)
+        else:
+            return _verify_cli(args.data_dir)
+    except (FileNotFoundError, ValueError, RuntimeError) as e:
+        print(f"data {args.cmd}: {e}", file=sys.stderr)
+        return 2
+    rows = sum(e["rows"] for e in m["files"])
+    size = sum(e["bytes"] for e in m["files"])
+    print(f"{args.out}: {len(m['files'])} shards, {rows} documents, {size / 1e6:.1f} MB, val_file {m['val_file']}")
+    return 0
+
+
+def _verify_cli(data_dir: Path) -> int:
+    problems = verify(data_dir)
+    for line in problems:
+        print(line, file=sys.stderr)
+    if problems:
+        return 1
+    m = read_manifest(data_dir)
+    size = sum(e["bytes"] for e in m["files"])
+    print(
+        f"data verify OK on {socket.gethostname()}: {len(m['files'])} files, {size / 1e6:.1f} MB, "
+        f"manifest sha256 {manifest_hash(data_dir)}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

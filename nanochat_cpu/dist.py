@@ -1,0 +1,162 @@
+"""Distributed setup: the process group, the collective watchdog, cross-rank guards.
+
+The backend follows the *requested* device (gloo for cpu, nccl for cuda), never what
+hardware happens to be present. With WORLD_SIZE > 1 a process group always exists: running N
+unsynchronised copies silently is the failure this module exists to prevent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+# Exit codes, so systemd and the logs tell failures apart.
+EXIT_CONFIG = 2  # bad input: restarting will not help
+EXIT_MISMATCH = 3  # ranks disagree on data/tokenizer/config, or parameters diverged
+EXIT_COLLECTIVE = 4  # a collective failed or timed out: a peer died or the network dropped
+
+
+@dataclass
+class DistEnv:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+    backend: str = ""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    host: str = field(default_factory=socket.gethostname)
+    hosts: list[str] = field(default_factory=list)  # hostname of every rank, by rank
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    def peers(self) -> str:
+        return ", ".join(f"rank {r}@{h}" for r, h in enumerate(self.hosts) if r != self.rank)
+
+
+def log(env: DistEnv | None, msg: str) -> None:
+    """One unbuffered line; under systemd it lands in journald as is."""
+    prefix = f"[{env.host} rank {env.rank}/{env.world_size}] " if env else f"[{socket.gethostname()}] "
+    print(prefix + msg, flush=True)
+
+
+def fail(env: DistEnv | None, code: int, msg: str) -> None:
+    """Log and leave at once: a rank must never block in teardown after a fatal error."""
+    log(env, "FATAL: " + msg)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def backend_for(device: str) -> str:
+    return {"cpu": "gloo", "cuda": "nccl"}[device]
+
+
+def init_distributed(device: str, timeout_s: float) -> DistEnv:
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was requested but torch sees no CUDA device "
+                               f"(torch {torch.__version__}); install the CUDA wheel or use --device cpu")
+        torch.cuda.set_device(local_rank)
+        dev = torch.device("cuda", local_rank)
+    else:
+        dev = torch.device("cpu")
+    env = DistEnv(rank=rank, local_rank=local_rank, world_size=world_size, device=dev)
+    env.hosts = [env.host]
+    if world_size == 1:
+        return env
+    env.backend = backend_for(device)
+    kwargs = {"device_id": dev} if device == "cuda" else {}
+    dist.init_process_group(env.backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    hosts: list[str | None] = [None] * world_size
+    dist.all_gather_object(hosts, env.host)
+    env.hosts = [str(h) for h in hosts]
+    return env
+
+
+class Watchdog:
+    """Names the collective a rank is stuck in, then exits, if the backend's own timeout did not.
+
+    The training loop marks phases (`with watchdog.phase("reduce-scatter grads", step)`); a
+    daemon thread checks the current phase once a second. Past the bound it logs which
+    collective, which step and which peers, and exits non-zero so systemd can restart the unit.
+    """
+
+    def __init__(self, env: DistEnv, bound_s: float):
+        self.env, self.bound_s = env, bound_s
+        self._phase: tuple[str, int, float] | None = None
+        self._lock = threading.Lock()
+        if env.distributed:
+            threading.Thread(target=self._run, name="collective-watchdog", daemon=True).start()
+
+    @contextlib.contextmanager
+    def phase(self, what: str, step: int):
+        with self._lock:
+            self._phase = (what, step, time.monotonic())
+        try:
+            yield
+        except Exception as exc:  # a collective raised (peer died, connection reset, timeout)
+            fail(self.env, EXIT_COLLECTIVE,
+                 f"collective '{what}' at step {step} failed after "
+                 f"{time.monotonic() - self._started():.1f}s: {type(exc).__name__}: {exc}. "
+                 f"Peers: {self.env.peers()}. Exiting so the unit restarts and resumes from the last checkpoint.")
+        finally:
+            with self._lock:
+                self._phase = None
+
+    def _started(self) -> float:
+        with self._lock:
+            return self._phase[2] if self._phase else time.monotonic()
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(1.0)
+            with self._lock:
+                current = self._phase
+            if current and time.monotonic() - current[2] > self.bound_s:
+                what, step, t0 = current
+                fail(self.env, EXIT_COLLECTIVE,
+                     f"stuck {time.monotonic() - t0:.0f}s (bound {self.bound_s:.0f}s, --collective-timeout) in "
+                     f"collective '{what}' at step {step}; waiting on peers: {self.env.peers()}. "
+                     f"A peer died or the network dropped. Exiting so the unit restarts and resumes.")
+
+
+@torch.no_grad()
+def parameter_checksum(model: torch.nn.Module) -> torch.Tensor:
+    """Per-parameter (sum, sum of squares) in float64: identical on every rank or a bug."""
+    parts = [torch.stack([p.double().sum(), p.double().square().sum()]) for p in model.parameters()]
+    return torch.cat(parts).cpu()
+
+
+def check_parameters_agree(env: DistEnv, model: torch.nn.Module, step: int) -> None:
+    """Every rank applies the same all-gathered update, so parameters must agree bitwise."""
+    if not env.distributed:
+        return
+    mine = parameter_checksum(model)
+    gathered: list[torch.Tensor | None] = [None] * env.world_size
+    dist.all_gather_object(gathered, mine)
+    names = [n for n, _ in model.named_parameters()]
+    diverged = []
+    for r, other in enumerate(gathered):
+        if r != 0 and not torch.equal(other, gathered[0]):
+            idx = int((other != gathered[0]).nonzero()[0]) // 2
+            diverged.append(f"rank {r}@{env.hosts[r]} differs from rank 0@{env.hosts[0]} first at '{names[idx]}'")
+    if diverged:
+        fail(env, EXIT_MISMATCH, f"parameters diverged across ranks at step {step}: " + "; ".join(diverged)
+             + ". Ranks are no longer training the same model; stopping every rank.")

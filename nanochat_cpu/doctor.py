@@ -1,0 +1,181 @@
+"""`python -m nanochat_cpu.doctor`: check one node before it joins a run.
+
+Each check prints `ok` or `PROBLEM` with the host, the value and the fix; the exit status is
+the number of problems (capped at 100), so the preflight fails naming every one at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import ipaddress
+import json
+import os
+import socket
+import struct
+import sys
+
+SIOCGIFADDR = 0x8915
+
+
+def interface_ipv4(ifname: str) -> str | None:
+    """The interface's IPv4 address, or None if it has none (or does not exist)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        packed = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", ifname[:15].encode()))
+        return socket.inet_ntoa(packed[20:24])
+    except OSError:
+        return None
+    finally:
+        s.close()
+
+
+def interface_exists(ifname: str) -> bool:
+    return os.path.exists(f"/sys/class/net/{ifname}")
+
+
+def interfaces() -> list[str]:
+    try:
+        return sorted(os.listdir("/sys/class/net"))
+    except OSError:
+        return []
+
+
+def listeners(port: int) -> list[tuple[int, str]]:
+    """(pid, process name) of every process listening on TCP `port` (IPv4 or IPv6)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                next(f)
+                for line in f:
+                    fields = line.split()
+                    local, state, inode = fields[1], fields[3], fields[9]
+                    if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:  # 0A = LISTEN
+                        inodes.add(inode)
+        except OSError:
+            continue
+    found = []
+    if not inodes:
+        return found
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:[") and target[8:-1] in inodes:
+                    with open(f"/proc/{pid}/comm") as c:
+                        found.append((int(pid), c.read().strip()))
+                    break
+        except OSError:
+            continue
+    return found
+
+
+def check_interface(ifname: str, lan_subnet: str | None) -> list[str]:
+    host = socket.gethostname()
+    if not ifname:
+        return [f"{host}: GLOO_SOCKET_IFNAME is not set: Gloo would pick an interface itself (docker bridge, "
+                f"VPN, IPv6...). Fix: set train_interface for {host} in the inventory"]
+    if not interface_exists(ifname):
+        return [f"{host}: interface {ifname!r} (GLOO_SOCKET_IFNAME) does not exist; this host has "
+                f"{', '.join(interfaces())}. Fix: set train_interface for {host} in the inventory to one of them"]
+    addr = interface_ipv4(ifname)
+    if addr is None:
+        return [f"{host}: interface {ifname} has no IPv4 address (IPv6 only?); Gloo's two ends must use the same "
+                f"address family. Fix: give {ifname} an IPv4 address in the LAN or pick another interface"]
+    if lan_subnet and ipaddress.ip_address(addr) not in ipaddress.ip_network(lan_subnet, strict=False):
+        return [f"{host}: interface {ifname} has {addr}, outside lan_subnet {lan_subnet}. "
+                f"Fix: pick the interface on the LAN, or correct lan_subnet"]
+    return []
+
+
+def check_port(port: int, allowed: set[str]) -> list[str]:
+    holders = [(pid, name) for pid, name in listeners(port) if name not in allowed]
+    if not holders:
+        return []
+    who = ", ".join(f"PID {pid} ({name})" for pid, name in holders)
+    return [f"{socket.gethostname()}: port {port} is held by {who}. Fix: stop it (a stale run? "
+            f"`ansible-playbook stop.yml`, or `kill {holders[0][0]}`) or choose another master_port"]
+
+
+def check_inputs(data_dir: str | None, tokenizer_dir: str | None) -> tuple[list[str], dict]:
+    from .data import verify
+    from .tokenizer import Tokenizer
+
+    problems, facts = [], {}
+    host = socket.gethostname()
+    if data_dir:
+        try:
+            bad = verify(data_dir)
+        except Exception as exc:  # noqa: BLE001 - any unreadable manifest is a finding
+            bad = [f"{data_dir}: {exc}"]
+        problems += [f"{host}: data {b} (fix: re-run site.yml to re-push the dataset)" for b in bad]
+        from .data import manifest_hash
+        if not bad:
+            facts["manifest_sha256"] = manifest_hash(data_dir)
+    if tokenizer_dir:
+        try:
+            tok = Tokenizer.load(tokenizer_dir)
+            facts["tokenizer_sha256"] = tok.content_hash()
+            facts["vocab_size"] = tok.vocab_size
+        except Exception as exc:  # noqa: BLE001
+            problems.append(f"{host}: tokenizer in {tokenizer_dir} cannot be loaded: {exc}")
+    return problems, facts
+
+
+def check_device(device: str) -> tuple[list[str], dict]:
+    import torch
+
+    from .perf import cpu_has_native_bf16, physical_cores
+
+    facts = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
+             "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+             "physical_cores": physical_cores(), "cpu_native_bf16": cpu_has_native_bf16(),
+             "backend": {"cpu": "gloo", "cuda": "nccl"}[device],
+             "dtype": "float32" if device == "cpu" else "bfloat16"}
+    problems = []
+    host = socket.gethostname()
+    if device == "cuda" and not torch.cuda.is_available():
+        problems.append(f"{host}: --device cuda but torch {torch.__version__} sees no GPU. Fix: torch_variant "
+                        f"cu12x in the inventory, or train_device: cpu")
+    if not os.environ.get("OMP_NUM_THREADS"):
+        problems.append(f"{host}: OMP_NUM_THREADS is unset (torchrun would force 1 thread). Fix: set "
+                        f"omp_num_threads for {host}; physical cores here: {facts['physical_cores']}")
+    return problems, facts
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="nanochat_cpu.doctor", allow_abbrev=False)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--ifname", default=os.environ.get("GLOO_SOCKET_IFNAME", ""))
+    p.add_argument("--lan-subnet", default=None)
+    p.add_argument("--master-port", type=int, default=None, help="check that no foreign process holds it")
+    p.add_argument("--allow-holder", action="append", default=[],
+                   help="process names allowed to hold the port (our own running unit)")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--tokenizer-dir", default=None)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    problems, facts = check_device(args.device)
+    problems += check_interface(args.ifname, args.lan_subnet)
+    facts["ifname"], facts["ipv4"] = args.ifname, interface_ipv4(args.ifname) if args.ifname else None
+    if args.master_port:
+        problems += check_port(args.master_port, set(args.allow_holder))
+    more, data_facts = check_inputs(args.data_dir, args.tokenizer_dir)
+    problems += more
+    facts.update(data_facts)
+    facts["host"] = socket.gethostname()
+    if args.json:
+        print(json.dumps({"facts": facts, "problems": problems}))
+    else:
+        for k, v in facts.items():
+            print(f"  {k}: {v}")
+        for prob in problems:
+            print(f"PROBLEM {prob}")
+        print("doctor: ok" if not problems else f"doctor: {len(problems)} problem(s)")
+    return min(len(problems), 100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,255 @@
+"""The GPT: nanochat's architecture, written for CPU and CUDA alike.
+
+- rotary position embeddings, no learned positions
+- RMSNorm without parameters, QK-norm
+- untied token embedding and LM head
+- ReLU^2 MLP
+- value embeddings on alternating layers, mixed into V through a learned per-head gate
+- per-layer scalars mixing the residual stream with the first-layer input (x0)
+- logit soft-capping
+- per-layer sliding windows (pattern such as SSSL) done with SDPA on every device: the window
+  is a boolean mask on CPU and CUDA alike, so a CPU run trains the same model a GPU run would.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+LOGIT_SOFTCAP = 15.0
+VE_GATE_CHANNELS = 32
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    n_layer: int
+    n_head: int
+    n_embd: int
+    seq_len: int
+    window_pattern: str = "SSSL"
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    @property
+    def padded_vocab(self) -> int:
+        # Pad for matmul efficiency only; sharding never needs divisibility by the world size.
+        return ((self.vocab_size + 63) // 64) * 64
+
+
+def model_config_from(depth: int, aspect_ratio: int, head_dim: int, vocab_size: int, seq_len: int,
+                      window_pattern: str) -> ModelConfig:
+    """nanochat's shape rule: width = depth * aspect_ratio, rounded up to whole heads."""
+    base_dim = depth * aspect_ratio
+    n_embd = ((base_dim + head_dim - 1) // head_dim) * head_dim
+    return ModelConfig(vocab_size=vocab_size, n_layer=depth, n_head=n_embd // head_dim, n_embd=n_embd,
+                       seq_len=seq_len, window_pattern=window_pattern)
+
+
+def has_value_embedding(layer: int, n_layer: int) -> bool:
+    # alternate layers, always including the last one
+    return layer % 2 == (n_layer - 1) % 2
+
+
+def layer_windows(cfg: ModelConfig) -> list[int]:
+    """Attention window (in tokens) per layer; the last layer always sees the full context."""
+    short = max(1, cfg.seq_len // 2)
+    pattern = cfg.window_pattern
+    windows = [cfg.seq_len if pattern[i % len(pattern)] == "L" else short for i in range(cfg.n_layer)]
+    windows[-1] = cfg.seq_len
+    return windows
+
+
+def norm(x: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def rotary_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
+    return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    x1, x2 = x[..., :d], x[..., d:]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
+
+
+def window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor | None:
+    """Boolean keep-mask for causal attention limited to `window` past tokens; None = plain causal."""
+    if window >= seq_len:
+        return None
+    i = torch.arange(seq_len, device=device)[:, None]
+    j = torch.arange(seq_len, device=device)[None, :]
+    return (j <= i) & (i - j < window)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
+        d = cfg.n_embd
+        self.c_q = nn.Linear(d, d, bias=False)
+        self.c_k = nn.Linear(d, d, bias=False)
+        self.c_v = nn.Linear(d, d, bias=False)
+        self.c_proj = nn.Linear(d, d, bias=False)
+        self.ve_gate = nn.Linear(VE_GATE_CHANNELS, cfg.n_head, bias=False) if has_value_embedding(
+            layer, cfg.n_layer) else None
+
+    def forward(self, x, ve, cos, sin, mask):
+        B, T, _ = x.shape
+        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
+        k = self.c_k(x).view(B, T, self.n_head, self.head_dim)
+        v = self.c_v(x).view(B, T, self.n_head, self.head_dim)
+        if ve is not None:
+            # gate in (0, 2), starting at 1 (zero-initialised weights): the model learns how
+            # much of the token's value embedding each head mixes in
+            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
+            v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_head, self.head_dim)
+        q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=False)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.attn = Attention(cfg, layer)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, ve, cos, sin, mask):
+        x = x + self.attn(norm(x), ve, cos, sin, mask)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        V, d = cfg.padded_vocab, cfg.n_embd
+        self.wte = nn.Embedding(V, d)
+        self.blocks = nn.ModuleList([Block(cfg, i) for i in range(cfg.n_layer)])
+        self.value_embeds = nn.ModuleDict(
+            {str(i): nn.Embedding(V, d) for i in range(cfg.n_layer) if has_value_embedding(i, cfg.n_layer)})
+        self.lm_head = nn.Linear(d, V, bias=False)
+        self.resid_lambdas = nn.Parameter(torch.ones(cfg.n_layer))
+        self.x0_lambdas = nn.Parameter(torch.zeros(cfg.n_layer))
+        cos, sin = rotary_tables(cfg.seq_len, cfg.head_dim)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.windows = layer_windows(cfg)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        d = self.cfg.n_embd
+        bound = math.sqrt(3.0) * d ** -0.5  # uniform with std 1/sqrt(d)
+
+        def uniform_(p: torch.Tensor, lo: float, hi: float) -> None:
+            p.copy_(torch.rand(p.shape, generator=gen) * (hi - lo) + lo)
+
+        self.wte.weight.copy_(torch.randn(self.wte.weight.shape, generator=gen))
+        self.lm_head.weight.copy_(torch.randn(self.lm_head.weight.shape, generator=gen) * 0.001)
+        for block in self.blocks:
+            for lin in (block.attn.c_q, block.attn.c_k, block.attn.c_v, block.mlp.c_fc):
+                uniform_(lin.weight, -bound, bound)
+            # zero output projections: every block starts as the identity
+            block.attn.c_proj.weight.zero_()
+            block.mlp.c_proj.weight.zero_()
+            if block.attn.ve_gate is not None:
+                block.attn.ve_gate.weight.zero_()
+        for emb in self.value_embeds.values():
+            uniform_(emb.weight, -bound, bound)
+        self.resid_lambdas.fill_(1.0)
+        self.x0_lambdas.fill_(0.1)
+
+    def masks(self, T: int, device: torch.device) -> dict[int, torch.Tensor | None]:
+        return {w: window_mask(T, w, device) for w in set(self.windows)}
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                reduction: str = "mean") -> torch.Tensor:
+        B, T = idx.shape
+        cos, sin = self.cos[:, :T].to(self.wte.weight.dtype), self.sin[:, :T].to(self.wte.weight.dtype)
+        masks = self.masks(T, idx.device)
+        x = x0 = norm(self.wte(idx))
+        for i, block in enumerate(self.blocks):
+            x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
+            ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
+            x = block(x, ve, cos, sin, masks[self.windows[i]])
+        x = norm(x)
+        logits = self.lm_head(x)[..., : self.cfg.vocab_size].float()
+        logits = LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
+                               reduction=reduction)
+
+    @torch.no_grad()
+    def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
+        """Plain autoregressive sampling without a KV cache: samples are short and rare."""
+        gen = torch.Generator(device=self.wte.weight.device).manual_seed(seed)
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.wte.weight.device)
+        for _ in range(max_tokens):
+            logits = self(ids[:, -self.cfg.seq_len:])[:, -1, :]
+            if temperature <= 0:
+                nxt = logits.argmax(-1, keepdim=True)
+            else:
+                nxt = torch.multinomial(F.softmax(logits / temperature, -1), 1, generator=gen)
+            ids = torch.cat([ids, nxt], dim=1)
+        return ids[0, len(prompt):].tolist()
+
+
+def parameter_groups(model: GPT) -> dict[str, list[nn.Parameter]]:
+    """The optimizer's view of the model: Muon takes the 2-D block matrices, AdamW the rest."""
+    gates = [b.attn.ve_gate.weight for b in model.blocks if b.attn.ve_gate is not None]
+    gate_ids = {id(g) for g in gates}
+    matrices = [p for p in model.blocks.parameters() if id(p) not in gate_ids]
+    return {
+        "matrix": matrices,
+        "embedding": [model.wte.weight],
+        "value_embedding": [e.weight for e in model.value_embeds.values()],
+        "lm_head": [model.lm_head.weight],
+        "scalar": [model.resid_lambdas, model.x0_lambdas] + gates,
+    }
+
+
+def parameter_breakdown(model: GPT) -> dict[str, int]:
+    groups = parameter_groups(model)
+    out = {name: sum(p.numel() for p in ps) for name, ps in groups.items()}
+    out["total"] = sum(p.numel() for p in model.parameters())
+    return out
+
+
+def flops_per_token(model: GPT) -> int:
+    """Training FLOPs per token: 6 x (non-embedding params) + attention, windows accounted.
+
+    Embedding lookups (token and value embeddings) are gathers, not matmuls, so they are not
+    counted; the LM head is. Attention score/value matmuls cost 12 x head_dim x n_head per
+    attended position; a sliding-window layer attends to at most `window` positions.
+    """
+    cfg = model.cfg
+    breakdown = parameter_breakdown(model)
+    dense = breakdown["total"] - breakdown["embedding"] - breakdown["value_embedding"]
+    attended = sum(min(w, cfg.seq_len) for w in model.windows)
+    return 6 * dense + 12 * cfg.n_head * cfg.head_dim * attended

@@ -1,0 +1,343 @@
+"""Base training: `python -m nanochat_cpu.train [flags]`, alone or under torchrun.
+
+Order of events, chosen so that bad input never leaves a rank blocked:
+1. parse and validate flags (batch arithmetic, paths) before rendezvous;
+2. resolve device, dtype, attention and backend from the *requested* device;
+3. join the process group (finite timeout), print each rank's banner;
+4. exchange the run fingerprint (data, tokenizer, config, versions): any difference stops all;
+5. build the model and optimizer, resume from the newest checkpoint every rank has;
+6. train; evaluate val bpb, sample, checkpoint and cross-check parameters on schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import sys
+import time
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from . import __version__, checkpoint, fingerprint
+from .config import ConfigError, TrainConfig, config_hash, grad_accum_steps, parse_config, validate, world_size_from_env
+from .data import TokenLoader
+from .dist import (
+    EXIT_CONFIG,
+    EXIT_MISMATCH,
+    DistEnv,
+    Watchdog,
+    check_parameters_agree,
+    fail,
+    init_distributed,
+    log,
+)
+from .model import GPT, flops_per_token, model_config_from, parameter_breakdown
+from .optim import MuonAdamW, build_optimizer
+from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib
+from .tokenizer import Tokenizer
+from .tracking import Tracker
+
+
+# ---- device truth ------------------------------------------------------------------------------
+
+def resolve_dtype(cfg: TrainConfig) -> tuple[torch.dtype, str]:
+    """The compute dtype and the reason, from the requested device only."""
+    if cfg.dtype == "float32":
+        return torch.float32, "requested --dtype float32"
+    if cfg.dtype == "bfloat16":
+        return torch.bfloat16, "requested --dtype bfloat16"
+    if cfg.device == "cuda":
+        return torch.bfloat16, "auto: --device cuda trains in bf16 autocast"
+    return torch.float32, ("auto: --device cpu trains in fp32 (bf16 is opt-in with --dtype bfloat16, "
+                           "useful only where the CPU has native bf16)")
+
+
+def resolve_muon_dtype(cfg: TrainConfig) -> tuple[torch.dtype, str]:
+    if cfg.muon_dtype == "float32":
+        return torch.float32, "requested"
+    if cfg.muon_dtype == "bfloat16":
+        return torch.bfloat16, "requested"
+    if cfg.device == "cuda":
+        return torch.bfloat16, "auto: cuda"
+    if cpu_has_native_bf16():
+        return torch.bfloat16, "auto: CPU has native bf16 (avx512_bf16/amx), bf16 matmuls ~2x fp32"
+    return torch.float32, "auto: CPU lacks native bf16"
+
+
+def resolve_compile(cfg: TrainConfig) -> tuple[bool, str]:
+    if cfg.compile == "on":
+        return True, "requested --compile on"
+    if cfg.compile == "off":
+        return False, "requested --compile off"
+    if cfg.device == "cuda":
+        return True, "auto: compile pays off on CUDA"
+    # Measured on a 2-core Zen 4 (README, bench table): a cold compile costs ~60 s and the eager
+    # model is within a few % of the compiled one at these sizes, so eager wins on CPU.
+    return False, "auto: eager on CPU (compiled was not faster in bench, and costs ~60 s cold)"
+
+
+def autocast_for(device: torch.device, dtype: torch.dtype):
+    if dtype == torch.float32:
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+# ---- schedule ----------------------------------------------------------------------------------
+
+def lr_multiplier(cfg: TrainConfig, step: int) -> float:
+    warmup = round(cfg.warmup_ratio * cfg.num_iterations)
+    warmdown = round(cfg.warmdown_ratio * cfg.num_iterations)
+    if step < warmup:
+        return (step + 1) / warmup
+    if step < cfg.num_iterations - warmdown:
+        return 1.0
+    progress = (cfg.num_iterations - step) / max(1, warmdown)
+    return progress + (1 - progress) * cfg.final_lr_frac
+
+
+def muon_momentum(step: int) -> float:
+    # nanochat's warmup of Muon momentum from 0.85 to 0.95 over the first 300 steps
+    frac = min(step / 300, 1.0)
+    return (1 - frac) * 0.85 + frac * 0.95
+
+
+# ---- evaluation --------------------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate_bpb(model: GPT, cfg: TrainConfig, env: DistEnv, tokenizer: Tokenizer, token_bytes: torch.Tensor,
+                 ctx, watchdog: Watchdog, step: int) -> float:
+    """Validation bits per byte: tokenizer-independent, so runs with other vocabularies compare."""
+    model.eval()
+    loader = TokenLoader(cfg.data_dir, tokenizer, "val", cfg.device_batch_size, cfg.max_seq_len,
+                         env.rank, env.world_size)
+    per_batch = cfg.device_batch_size * cfg.max_seq_len * env.world_size
+    batches = max(1, cfg.eval_tokens // per_batch)
+    totals = torch.zeros(2, dtype=torch.float64, device=env.device)  # nats, bytes
+    for _, (x, y) in zip(range(batches), loader):
+        x, y = x.to(env.device), y.to(env.device)
+        with ctx:
+            nats = model(x, y, reduction="none").view(-1)
+        nbytes = token_bytes[y.view(-1)]
+        counted = nbytes > 0  # special tokens carry no bytes and are not scored
+        totals[0] += nats[counted].double().sum()
+        totals[1] += nbytes[counted].double().sum()
+    if env.distributed:
+        with watchdog.phase("all_reduce val bpb", step):
+            dist.all_reduce(totals)
+    model.train()
+    return float(totals[0] / (math.log(2) * totals[1].clamp(min=1)))
+
+
+# ---- checkpoints -------------------------------------------------------------------------------
+
+def ranks_on_this_node(env: DistEnv) -> list[int]:
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    first = env.rank - env.local_rank
+    return list(range(first, first + local_world))
+
+
+def save_checkpoint(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW, loader: TokenLoader,
+                    step: int, watchdog: Watchdog, extra: dict) -> None:
+    t0 = time.perf_counter()
+    rank_state = {"step": step, "optimizer": opt.state_dict(), "loader": loader.state_dict(),
+                  "rng": torch.get_rng_state(), "extra": extra}
+    model_state = model.state_dict() if env.local_rank == 0 else None
+    checkpoint.save_rank_files(cfg.out_dir, step, env.rank, env.local_rank, model_state, rank_state)
+    if env.distributed:
+        with watchdog.phase("barrier checkpoint", step):
+            dist.barrier()
+    if env.local_rank == 0:
+        checkpoint.mark_complete(cfg.out_dir, step, ranks_on_this_node(env), cfg.keep_checkpoints)
+    log(env, f"checkpoint step {step} saved to {checkpoint.step_dir(cfg.out_dir, step)} "
+             f"in {time.perf_counter() - t0:.2f}s")
+
+
+def agree_on_resume_step(cfg: TrainConfig, env: DistEnv) -> int | None:
+    """The newest step whose checkpoint is complete on *every* rank's node, if any."""
+    if cfg.resume == "never":
+        return None
+    mine = checkpoint.complete_steps(cfg.out_dir, env.rank)
+    if not env.distributed:
+        return mine[-1] if mine else None
+    everyone: list[list[int] | None] = [None] * env.world_size
+    dist.all_gather_object(everyone, mine)
+    common = set(everyone[0] or [])
+    for steps in everyone[1:]:
+        common &= set(steps or [])
+    return max(common) if common else None
+
+
+# ---- the run -----------------------------------------------------------------------------------
+
+def banner(env: DistEnv, cfg: TrainConfig, dtype_why: str, muon_why: str, compile_why: str,
+           ctx_dtype: torch.dtype, muon_dtype: torch.dtype, compiled: bool) -> None:
+    attention = "SDPA (torch.nn.functional.scaled_dot_product_attention), sliding windows as boolean masks"
+    log(env, f"nanochat_cpu {__version__} torch {torch.__version__} | device={env.device} "
+             f"backend={env.backend or 'none (single process)'} dtype={ctx_dtype} ({dtype_why}) | "
+             f"attention={attention} | muon_dtype={muon_dtype} ({muon_why}) | "
+             f"compile={'on' if compiled else 'off'} ({compile_why}) | threads={torch.get_num_threads()} "
+             f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} "
+             f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', 'unset')} | "
+             f"cuda_available={torch.cuda.is_available()} (ignored unless --device cuda)")
+
+
+def run(cfg: TrainConfig) -> None:
+    world_size = world_size_from_env()
+    try:
+        validate(cfg, world_size)
+    except ConfigError as exc:
+        fail(None, EXIT_CONFIG, str(exc))
+    ctx_dtype, dtype_why = resolve_dtype(cfg)
+    muon_dtype, muon_why = resolve_muon_dtype(cfg)
+    compiled, compile_why = resolve_compile(cfg)
+    torch.manual_seed(cfg.seed)
+
+    try:
+        env = init_distributed(cfg.device, cfg.collective_timeout)
+    except RuntimeError as exc:
+        fail(None, EXIT_CONFIG, str(exc))
+    watchdog = Watchdog(env, cfg.collective_timeout + 30)
+    banner(env, cfg, dtype_why, muon_why, compile_why, ctx_dtype, muon_dtype, compiled)
+
+    # fingerprint before anything that could block on uneven work
+    try:
+        tokenizer = Tokenizer.load(cfg.tokenizer_dir)
+    except Exception as exc:  # noqa: BLE001 - any load failure is a config error for the user
+        fail(env, EXIT_CONFIG, f"--tokenizer-dir={cfg.tokenizer_dir}: cannot load tokenizer.json: {exc}")
+    mine = fingerprint.compute(env.host, cfg.data_dir, cfg.tokenizer_dir, config_hash(cfg),
+                               os.path.join(cfg.out_dir, ".hash-cache.json") if env.local_rank == 0 else None)
+    prints = [mine]
+    if env.distributed:
+        gathered: list[fingerprint.Fingerprint | None] = [None] * env.world_size
+        with watchdog.phase("all_gather fingerprint", 0):
+            dist.all_gather_object(gathered, mine)
+        prints = [p for p in gathered if p is not None]
+    problem = fingerprint.mismatch_report(prints)
+    if problem:
+        fail(env, EXIT_MISMATCH, problem)
+    missing = [name for name, digest in mine.files.items() if digest == "missing"]
+    if missing:
+        fail(env, EXIT_CONFIG, f"missing input files {missing} (fix: re-run site.yml to push the dataset)")
+    log(env, f"fingerprint agreed across {env.world_size} rank(s): {len(mine.files)} files, "
+             f"config {mine.config[:12]}")
+
+    mcfg = model_config_from(cfg.depth, cfg.aspect_ratio, cfg.head_dim, tokenizer.vocab_size, cfg.max_seq_len,
+                             cfg.window_pattern)
+    model = GPT(mcfg)
+    model.init_weights(cfg.seed)
+    model.to(env.device)
+    opt = build_optimizer(model, cfg, env.rank, env.world_size, muon_dtype)
+    accum = grad_accum_steps(cfg, env.world_size)
+    fpt = flops_per_token(model)
+    if env.master:
+        parts = parameter_breakdown(model)
+        log(env, "parameters: " + ", ".join(f"{k}={v:,}" for k, v in parts.items())
+            + f" | FLOPs/token (for MFU) = {fpt:,} = 6 x {parts['total'] - parts['embedding'] - parts['value_embedding']:,}"
+            f" non-embedding params + attention | model_dim={mcfg.n_embd} heads={mcfg.n_head} "
+            f"windows={model.windows} | grad_accum={accum} tokens/step={cfg.total_batch_size:,}")
+
+    start_step, loader_state, extra = 0, None, {}
+    resume_step = agree_on_resume_step(cfg, env)
+    if resume_step is not None:
+        model.load_state_dict(checkpoint.load_model_state(cfg.out_dir, resume_step, env.device))
+        rank_state = checkpoint.load_rank_state(cfg.out_dir, resume_step, env.rank)
+        try:
+            opt.load_state_dict(rank_state["optimizer"])
+        except ValueError as exc:
+            fail(env, EXIT_CONFIG, str(exc))
+        loader_state, extra = rank_state["loader"], rank_state.get("extra", {})
+        torch.set_rng_state(rank_state["rng"])
+        start_step = resume_step
+        log(env, f"resumed from checkpoint step {resume_step} ({checkpoint.step_dir(cfg.out_dir, resume_step)})")
+
+    train_model = torch.compile(model, dynamic=False) if compiled else model
+    loader = TokenLoader(cfg.data_dir, tokenizer, "train", cfg.device_batch_size, cfg.max_seq_len, env.rank,
+                         env.world_size, state=loader_state)
+    batches = iter(loader)
+    ctx = autocast_for(env.device, ctx_dtype)
+    token_bytes = tokenizer.token_bytes().to(env.device)
+    peak = measure_matmul_peak(env.device, ctx_dtype)
+    tracker = Tracker(cfg, env, extra.get("mlflow_run_id"))
+    tracker.log_params({**dataclasses.asdict(cfg), "world_size": env.world_size, "flops_per_token": fpt,
+                        **{f"params_{k}": v for k, v in parameter_breakdown(model).items()}})
+    if env.master:
+        log(env, f"matmul peak {peak / 1e9:.0f} GFLOP/s per rank ({ctx_dtype}); MFU is measured against it")
+
+    # every rank contributes the same number of tokens: scale so the summed gradient is the mean
+    loss_scale = 1.0 / (accum * env.world_size)
+    step = start_step
+    if start_step == 0 and env.distributed:
+        check_parameters_agree(env, model, 0)
+    while step < cfg.num_iterations:
+        t0 = time.perf_counter()
+        loss_sum = 0.0
+        for _ in range(accum):
+            x, y = next(batches)
+            x, y = x.to(env.device), y.to(env.device)
+            with ctx:
+                loss = train_model(x, y)
+            (loss * loss_scale).backward()
+            loss_sum += loss.item()
+        t_compute = time.perf_counter() - t0
+        mult = lr_multiplier(cfg, step)
+        for g in opt.groups:
+            g.lr_multiplier = mult
+            if g.kind == "muon":
+                g.momentum = muon_momentum(step)
+        with watchdog.phase("optimizer reduce-scatter/all-gather", step):
+            opt.step()
+        opt.zero_grad()
+        step += 1
+        dt = time.perf_counter() - t0
+        train_loss = loss_sum / accum
+        tok_per_s = cfg.total_batch_size / dt
+        mfu = 100 * fpt * tok_per_s / (peak * env.world_size)
+        if env.master:
+            log(env, f"step {step:05d}/{cfg.num_iterations:05d} loss={train_loss:.4f} lrm={mult:.3f} "
+                     f"dt_ms={dt * 1000:.0f} tok_per_s={tok_per_s:.0f} mfu={mfu:.1f} "
+                     f"compute_ms={t_compute * 1000:.0f} optim_ms={(dt - t_compute) * 1000:.0f} "
+                     f"comm_wait_ms={opt.last_comm_wait * 1000:.0f}")
+        tracker.log_metrics({"train_loss": train_loss, "tok_per_s": tok_per_s, "mfu": mfu, "lr_mult": mult,
+                             "step_ms": dt * 1000, "compute_ms": t_compute * 1000,
+                             "comm_wait_ms": opt.last_comm_wait * 1000}, step)
+        if not math.isfinite(train_loss):
+            fail(env, EXIT_MISMATCH, f"loss is {train_loss} at step {step}: training diverged "
+                                     f"(lower --matrix-lr/--embedding-lr or resume from an earlier checkpoint)")
+        last = step == cfg.num_iterations
+        if env.distributed and (step == 1 or (cfg.checksum_every and step % cfg.checksum_every == 0) or last):
+            with watchdog.phase("all_gather parameter checksum", step):
+                check_parameters_agree(env, model, step)
+        if (cfg.eval_every and step % cfg.eval_every == 0) or last:
+            bpb = evaluate_bpb(model, cfg, env, tokenizer, token_bytes, ctx, watchdog, step)
+            if env.master:
+                log(env, f"eval step {step:05d} val_bpb={bpb:.4f}")
+            tracker.log_metrics({"val_bpb": bpb}, step)
+        if env.master and ((cfg.sample_every and step % cfg.sample_every == 0) or last):
+            model.eval()
+            prompt = "The"
+            out = model.generate([tokenizer.bos_id] + tokenizer.encode(prompt), max_tokens=24)
+            model.train()
+            log(env, f"sample step {step:05d}: {prompt}{tokenizer.decode(out)!r}")
+        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last:
+            save_checkpoint(cfg, env, model, opt, loader, step, watchdog, {"mlflow_run_id": tracker.run_id})
+            tracker.flush()
+
+    log(env, f"done: {step} steps, peak RSS {peak_rss_mib():.0f} MiB")
+    tracker.finish()
+    if env.distributed:
+        with watchdog.phase("final barrier", step):
+            dist.barrier()
+        dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    cfg = parse_config(argv)
+    run(cfg)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,84 @@
+"""Worker for the optimizer tests, run under torchrun (or alone for the 1-rank reference).
+
+`step OUT`: two optimizer steps of a small GPT on a fixed global batch, each rank taking its
+contiguous share of the rows; writes the final parameters to OUT (rank 0).
+`diverge`: perturb one parameter on the last rank, then run the cross-rank checksum guard.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from nanochat_cpu.config import TrainConfig
+from nanochat_cpu.dist import DistEnv, check_parameters_agree
+from nanochat_cpu.model import GPT, model_config_from
+from nanochat_cpu.optim import build_optimizer
+
+GLOBAL_ROWS, SEQ, VOCAB = 6, 32, 300
+
+
+def setup() -> DistEnv:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    env = DistEnv(rank=int(os.environ.get("RANK", "0")), world_size=world)
+    if world > 1:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+        hosts: list = [None] * world
+        dist.all_gather_object(hosts, env.host)
+        env.hosts = hosts
+    return env
+
+
+def make_model() -> GPT:
+    cfg = model_config_from(depth=3, aspect_ratio=32, head_dim=32, vocab_size=VOCAB, seq_len=SEQ,
+                            window_pattern="SL")
+    model = GPT(cfg)
+    model.init_weights(seed=1)
+    # zero-initialised projections would make the first steps trivial: perturb them
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.02)
+    return model
+
+
+def step(out: str) -> None:
+    env = setup()
+    torch.manual_seed(0)
+    model = make_model()
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), env.rank, env.world_size, torch.float32)
+    # Adam's eps=1e-10 turns gradients of ~1e-12 (summed in another order on N ranks) into
+    # full-size steps of either sign; a larger eps keeps the comparison about the sharding.
+    for g in opt.groups:
+        g.eps = 1e-6
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(2):
+        tokens = torch.randint(0, VOCAB, (GLOBAL_ROWS, SEQ + 1), generator=gen)
+        per = GLOBAL_ROWS // env.world_size
+        mine = tokens[env.rank * per:(env.rank + 1) * per]
+        loss = model(mine[:, :-1], mine[:, 1:])
+        (loss / env.world_size).backward()
+        opt.step()
+        opt.zero_grad()
+    if env.rank == 0:
+        torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out)
+    if env.world_size > 1:
+        dist.destroy_process_group()
+
+
+def diverge() -> None:
+    env = setup()
+    model = make_model()
+    if env.rank == env.world_size - 1:
+        with torch.no_grad():
+            model.blocks[1].mlp.c_fc.weight[0, 0] += 1e-3
+    check_parameters_agree(env, model, step=7)
+    print(f"rank {env.rank}: parameters agree", flush=True)
+
+
+if __name__ == "__main__":
+    {"step": lambda: step(sys.argv[2]), "diverge": diverge}[sys.argv[1]]()

@@ -1,0 +1,149 @@
+"""The trainer end to end on real torchrun + Gloo processes on loopback."""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import shutil
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.torchrun_helpers import REPO, free_port, kill_tree, run_torchrun, spawn_node
+
+STEP_LINE = re.compile(r"step (\d+)/\d+ loss=([0-9.]+)")
+
+
+def tiny_flags(data: Path, tok: Path, out: Path, **over) -> list[str]:
+    flags = {"data-dir": data, "tokenizer-dir": tok, "out-dir": out, "run-name": "test", "depth": 2,
+             "aspect-ratio": 32, "head-dim": 32, "max-seq-len": 64, "device-batch-size": 2,
+             "total-batch-size": 256, "num-iterations": 12, "eval-every": 0, "eval-tokens": 512,
+             "sample-every": 0, "checkpoint-every": 4, "keep-checkpoints": 3, "collective-timeout": 20,
+             "tracking-uri": "none"}
+    flags.update({k.replace("_", "-"): v for k, v in over.items()})
+    return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
+
+
+def train_target(*flags: str) -> list[str]:
+    return ["-m", "nanochat_cpu.train", *flags]
+
+
+def losses(output: str) -> dict[int, float]:
+    return {int(m.group(1)): float(m.group(2)) for m in STEP_LINE.finditer(output)}
+
+
+def read_until(proc, pattern: str, timeout: float) -> str:
+    """Collect a node's output until `pattern` shows up (or fail)."""
+    seen, deadline = [], time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            break
+        seen.append(line)
+        if pattern in line:
+            return "".join(seen)
+    raise AssertionError(f"{pattern!r} not seen in {timeout}s:\n" + "".join(seen))
+
+
+def finish(proc, timeout: float) -> tuple[int, str, float]:
+    t0 = time.monotonic()
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out, time.monotonic() - t0
+
+
+def test_bad_batch_arithmetic_fails_every_rank_before_rendezvous(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    proc = run_torchrun(2, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path,
+                                                     total_batch_size=300)), timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "--total-batch-size=300 is not divisible by" in out
+    assert "2 x 64 x 2 = 256" in out and "Nearest valid --total-batch-size: 256 or 512" in out
+    assert "fingerprint" not in out  # nobody got as far as the process group
+
+
+def test_two_ranks_train_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / "run", tracking_uri="")
+    first = run_torchrun(2, train_target(*flags))
+    assert first.returncode == 0, first.stdout + first.stderr
+    full = losses(first.stdout)
+    assert sorted(full) == list(range(1, 13))
+    assert "fingerprint agreed across 2 rank(s)" in first.stdout
+    # flags went through torchrun unharmed (FAILURES row 10): the run name reached MLflow
+    db = tmp_path / "run" / "mlflow.db"
+    with sqlite3.connect(db) as con:
+        names = {r[0] for r in con.execute("select name from runs")}
+        metrics = {r[0] for r in con.execute("select distinct key from metrics")}
+    assert names == {"test"} and {"train_loss", "tok_per_s", "mfu", "val_bpb"} <= metrics
+
+    # crash after step 8's checkpoint: drop the newer one, as if the run died before it
+    shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000012")
+    second = run_torchrun(2, train_target(*flags))
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "resumed from checkpoint step 8" in second.stdout
+    resumed = losses(second.stdout)
+    assert sorted(resumed) == [9, 10, 11, 12]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
+
+
+def test_fingerprint_mismatch_stops_every_rank(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    drifted = tmp_path / "drifted"
+    shutil.copytree(tiny_data_dir, drifted)
+    with open(drifted / "shard_00001.parquet", "ab") as f:
+        f.write(b"drift")
+    port = free_port()
+    t0 = time.monotonic()
+    nodes = [spawn_node(2, rank, port, train_target(*tiny_flags(data, tiny_tokenizer_dir, tmp_path / f"n{rank}")))
+             for rank, data in enumerate([tiny_data_dir, drifted])]
+    results = [finish(p, timeout=60) for p in nodes]
+    assert time.monotonic() - t0 < 30 + 15  # 30 s budget plus two cold torch imports on 2 cores
+    for code, out, _ in results:
+        assert code != 0, out
+        assert "run fingerprint mismatch" in out
+        assert "file data/shard_00001.parquet" in out
+        assert "step 00001" not in out
+
+
+def test_killing_one_rank_makes_the_other_exit(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    port = free_port()
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, num_iterations=100000, checkpoint_every=0,
+                       collective_timeout=15)
+    nodes = [spawn_node(2, rank, port, train_target(*flags)) for rank in range(2)]
+    try:
+        read_until(nodes[0], "step 00003", timeout=90)
+        kill_tree(nodes[1].pid, signal.SIGKILL)  # the trainer and its torchrun, like a node dying
+        code, out, waited = finish(nodes[0], timeout=15 + 60)
+    finally:
+        for p in nodes:
+            kill_tree(p.pid, signal.SIGKILL)
+    assert code != 0
+    assert waited < 15 + 30 + 10, f"survivor took {waited:.0f}s to give up"
+    assert "FATAL" in out and "collective" in out and "rank 1@" in out
+
+
+def test_cuda_present_but_cpu_requested_uses_fp32_sdpa_gloo(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, num_iterations=2, checkpoint_every=0)
+    proc = run_torchrun(2, [str(REPO / "tests" / "fake_cuda_train.py"), *flags])
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    banners = [line for line in out.splitlines() if "backend=" in line]
+    assert len(banners) == 2
+    for line in banners:
+        assert "cuda_available=True" in line
+        assert "device=cpu backend=gloo dtype=torch.float32" in line
+        assert "attention=SDPA" in line
+
+
+def test_loss_falls_well_below_uniform(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, num_iterations=60, checkpoint_every=0,
+                       eval_every=30, sample_every=30)
+    proc = run_torchrun(2, train_target(*flags))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = losses(proc.stdout)
+    assert got[1] > math.log(512) - 0.5
+    assert sum(got[s] for s in range(51, 61)) / 10 < math.log(512) - 1.5
+    assert re.search(r"val_bpb=\d", proc.stdout) and "sample step 00060" in proc.stdout

@@ -1,0 +1,69 @@
+"""Launch real torchrun jobs on loopback for the trainer's tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def node_env(threads: int = 1) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({"OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",
+                "PYTHONPATH": str(REPO) + os.pathsep + env.get("PYTHONPATH", "")})
+    return env
+
+
+def torchrun_cmd(nproc: int, port: int, target: list[str], nnodes: int = 1, node_rank: int = 0) -> list[str]:
+    """torchrun with static rendezvous on loopback; `target` is `-m module args` or `script args`."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+            f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}", *target]
+
+
+def run_torchrun(nproc: int, target: list[str], timeout: float = 240, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run(torchrun_cmd(nproc, free_port(), target), env=node_env(), capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO, **kw)
+
+
+def spawn_node(nnodes: int, node_rank: int, port: int, target: list[str], nproc: int = 1) -> subprocess.Popen:
+    """One 'node' of a multi-node job: its own torchrun, in its own process group (to kill it whole)."""
+    return subprocess.Popen(torchrun_cmd(nproc, port, target, nnodes=nnodes, node_rank=node_rank), env=node_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            start_new_session=True)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun starts its workers in their own process group)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def kill_tree(pid: int, sig: int) -> None:
+    for p in [*descendants(pid), pid]:
+        try:
+            os.kill(p, sig)
+        except ProcessLookupError:
+            pass
