@@ -41,7 +41,8 @@ class TrainConfig:
         metadata={"choices": ("auto", "float32", "bfloat16"), "help": "auto: fp32 on CPU, bf16 on CUDA"},
     )
     compile: str = field(
-        default="auto", metadata={"choices": ("auto", "on", "off"), "help": "torch.compile; auto = where measured faster"}
+        default="auto",
+        metadata={"choices": ("auto", "on", "off"), "help": "torch.compile; auto = where measured faster"},
     )
     # model shape (nanochat's: width follows depth)
     depth: int = field(default=4, metadata={"help": "number of transformer blocks"})
@@ -72,7 +73,9 @@ class TrainConfig:
     sample_every: int = field(default=100, metadata={"help": "steps between samples from the model (0 = never)"})
     checkpoint_every: int = field(default=50, metadata={"help": "steps between checkpoints (0 = only at end)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "complete checkpoints to keep"})
-    resume: str = field(default="auto", metadata={"choices": ("auto", "never"), "help": "resume from latest checkpoint"})
+    resume: str = field(
+        default="auto", metadata={"choices": ("auto", "never"), "help": "resume from the latest checkpoint"}
+    )
     checksum_every: int = field(default=50, metadata={"help": "steps between cross-rank parameter checksums"})
     collective_timeout: float = field(
         default=600.0, metadata={"help": "seconds a rank may wait in one collective before it exits"}
@@ -90,7 +93,8 @@ def build_parser() -> argparse.ArgumentParser:
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help", "")}
-        kwargs["type"] = {"int": int, "float": float, "str": str}[f.type if isinstance(f.type, str) else f.type.__name__]
+        type_name = f.type if isinstance(f.type, str) else f.type.__name__
+        kwargs["type"] = {"int": int, "float": float, "str": str}[type_name]
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
         parser.add_argument(flag, dest=f.name, **kwargs)
@@ -145,7 +149,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     for name in ("data_dir", "tokenizer_dir"):
         path = getattr(cfg, name)
         if not os.path.isdir(path):
-            raise ConfigError(f"[{host}] --{name.replace('_', '-')}={path}: no such directory (run site.yml to push it)")
+            raise ConfigError(
+                f"[{host}] --{name.replace('_', '-')}={path}: no such directory (run site.yml to push it)")
 
 
 def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:

@@ -216,7 +216,7 @@ def write_shards(
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     # No manifest while shards are rewritten: a half-written dir must never look valid.
-    pass
+    (out / MANIFEST).unlink(missing_ok=True)
     entries = []
     for index, chunk in enumerate(chunks):
         path = out / shard_name(index)

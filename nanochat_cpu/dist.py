@@ -111,7 +111,7 @@ class Watchdog:
             self._phase = (what, step, time.monotonic())
         try:
             yield
-        except Exception as exc:  # a collective raised (peer died, connection reset, timeout)
+        except Exception as exc:  # noqa: BLE001 - a collective raised: peer died, reset, timeout
             fail(self.env, EXIT_COLLECTIVE,
                  f"collective '{what}' at step {step} failed after "
                  f"{time.monotonic() - self._started():.1f}s: {type(exc).__name__}: {exc}. "

@@ -1,4 +1,8 @@
-"""Gloo ping matrix: `torchrun ... -m nanochat_cpu.netcheck`, run by the preflight on every node.
+"""Gloo ping matrix: `python -m nanochat_cpu.netcheck`, run by the preflight on every node at once.
+
+It reads the same environment as the training unit (MASTER_ADDR, MASTER_PORT, NODE_RANK,
+NNODES, GLOO_SOCKET_IFNAME; or RANK/WORLD_SIZE under torchrun) and does its own rendezvous, so
+every failure is reported by us, with names, instead of by a launcher.
 
 A network that would hang a training run must fail here, in seconds, with names:
 1. join a Gloo group with a short timeout (rendezvous through MASTER_ADDR:MASTER_PORT);
@@ -48,15 +52,16 @@ def main(argv: list[str] | None = None) -> int:
     host = socket.gethostname()
     ifname = os.environ.get("GLOO_SOCKET_IFNAME", "")
     addr = interface_ipv4(ifname) if ifname else None
-    rank = int(os.environ.get("RANK", "0"))
+    rank = int(os.environ.get("RANK", os.environ.get("NODE_RANK", "0")))
+    world = int(os.environ.get("WORLD_SIZE", os.environ.get("NNODES", "1")))
     try:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=args.timeout))
     except Exception as exc:  # noqa: BLE001 - report any rendezvous failure with names
         print(f"netcheck FAILED on {host} (rank {rank}, GLOO_SOCKET_IFNAME={ifname or 'unset'}, address {addr}): "
               f"could not join the group at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}: "
               f"{exc}", flush=True)
         os._exit(1)
-    world = dist.get_world_size()
     try:
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=args.timeout), wait_all_ranks=True)
         per, mbps = measure(args.size_mb, args.rounds)

@@ -137,21 +137,21 @@ class MuonAdamW:
 
     # ---- updates on the owned slice ----------------------------------------------------------
 
-    def _adamw(self, g: Group, param: torch.Tensor, grad: torch.Tensor) -> None:
+    def _adamw(self, g: Group, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """AdamW on a list of tensors (one flat slice with N ranks, the parameters with 1)."""
         if "exp_avg" not in g.state:
-            g.state["exp_avg"] = torch.zeros_like(param)
-            g.state["exp_avg_sq"] = torch.zeros_like(param)
-        m, v = g.state["exp_avg"], g.state["exp_avg_sq"]
+            for i, p in enumerate(params):
+                g.state[f"exp_avg.{i}"] = torch.zeros_like(p)
+                g.state[f"exp_avg_sq.{i}"] = torch.zeros_like(p)
+            g.state["exp_avg"] = torch.zeros(0)  # marker: state initialised
+        m = [g.state[f"exp_avg.{i}"] for i in range(len(params))]
+        v = [g.state[f"exp_avg_sq.{i}"] for i in range(len(params))]
         b1, b2 = g.betas
         lr = g.lr * g.lr_multiplier
-        t = self.step_count
-        m.lerp_(grad, 1 - b1)
-        v.lerp_(grad.square(), 1 - b2)
-        step_size = lr / (1 - b1 ** t)
-        denom = (v / (1 - b2 ** t)).sqrt_().add_(g.eps)
-        if g.weight_decay:
-            param.mul_(1 - lr * g.weight_decay)
-        param.addcdiv_(m, denom, value=-step_size)
+        # one fused, vectorised pass over memory (the embeddings dominate the optimizer's bytes)
+        steps = [torch.tensor(float(self.step_count)) for _ in params]
+        torch._fused_adamw_(params, grads, m, v, [], steps, lr=lr, beta1=b1, beta2=b2,
+                            weight_decay=g.weight_decay, eps=g.eps, amsgrad=False, maximize=False)
 
     def _muon(self, g: Group, params: torch.Tensor, grads: torch.Tensor, owned: int) -> None:
         """Update `owned` stacked matrices in place (the rest of the slice is padding)."""
@@ -179,6 +179,10 @@ class MuonAdamW:
         self.step_count += 1
         if self.world_size == 1:
             for g in self.groups:
+                if g.kind == "adamw":
+                    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params]
+                    self._adamw(g, [p.data for p in g.params], grads)
+                    continue
                 flat_p, flat_g = self._flat_params(g), self._flat_grads(g)
                 self._update_slice(g, flat_p, flat_g)
                 self._scatter_back(g, flat_p)
@@ -211,7 +215,7 @@ class MuonAdamW:
         if g.kind == "muon":
             self._muon(g, params, grads, self._owned_matrices(g))
         else:
-            self._adamw(g, params, grads)
+            self._adamw(g, [params], [grads])
 
     def zero_grad(self) -> None:
         for g in self.groups:

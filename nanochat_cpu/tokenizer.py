@@ -169,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "train":
         try:
             path = train(args.data_dir, args.vocab_size, args.out, args.max_chars)
-        except ValueError as e:
+        except (FileNotFoundError, ValueError) as e:
             print(f"tokenizer train: {e}", file=sys.stderr)
             return 2
         tok = Tokenizer.load(args.out)

@@ -40,7 +40,6 @@ from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib
 from .tokenizer import Tokenizer
 from .tracking import Tracker
 
-
 # ---- device truth ------------------------------------------------------------------------------
 
 def resolve_dtype(cfg: TrainConfig) -> tuple[torch.dtype, str]:
@@ -116,7 +115,7 @@ def evaluate_bpb(model: GPT, cfg: TrainConfig, env: DistEnv, tokenizer: Tokenize
     per_batch = cfg.device_batch_size * cfg.max_seq_len * env.world_size
     batches = max(1, cfg.eval_tokens // per_batch)
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)  # nats, bytes
-    for _, (x, y) in zip(range(batches), loader):
+    for _, (x, y) in zip(range(batches), loader, strict=False):
         x, y = x.to(env.device), y.to(env.device)
         with ctx:
             nats = model(x, y, reduction="none").view(-1)
@@ -234,8 +233,9 @@ def run(cfg: TrainConfig) -> None:
     fpt = flops_per_token(model)
     if env.master:
         parts = parameter_breakdown(model)
+        dense = parts["total"] - parts["embedding"] - parts["value_embedding"]
         log(env, "parameters: " + ", ".join(f"{k}={v:,}" for k, v in parts.items())
-            + f" | FLOPs/token (for MFU) = {fpt:,} = 6 x {parts['total'] - parts['embedding'] - parts['value_embedding']:,}"
+            + f" | FLOPs/token (for MFU) = {fpt:,} = 6 x {dense:,}"
             f" non-embedding params + attention | model_dim={mcfg.n_embd} heads={mcfg.n_head} "
             f"windows={model.windows} | grad_accum={accum} tokens/step={cfg.total_batch_size:,}")
 

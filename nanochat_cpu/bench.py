@@ -1,0 +1,180 @@
+"""`python -m nanochat_cpu.bench`: training throughput, MFU and where the time goes.
+
+One measurement (`--nproc N` launches torchrun itself):
+    python -m nanochat_cpu.bench --depth 4 --nproc 2 --compile off
+The table in the README (depth 4 and 8, 1 and 2 processes, compile on and off):
+    python -m nanochat_cpu.bench --table
+
+Each step is timed in four parts, each synchronised, so the sum is the step:
+data (next batch), model (forward + backward), optimizer arithmetic, and communication
+(time blocked in reduce-scatter/all-gather, reported by the optimizer). MFU is against a
+matmul peak measured on this machine with the same thread count. Token ids are synthetic by
+default (throughput does not depend on them) so any vocabulary size can be measured; pass
+--data-dir/--tokenizer-dir to time the real parquet loader as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import time
+
+PROCESS_START = time.perf_counter()
+
+import torch  # noqa: E402 - process start time is taken before the heavy import on purpose
+import torch.distributed as dist  # noqa: E402
+
+from .config import TrainConfig  # noqa: E402
+from .model import GPT, flops_per_token, model_config_from, parameter_breakdown  # noqa: E402
+from .optim import build_optimizer  # noqa: E402
+from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib  # noqa: E402
+
+
+class SyntheticBatches:
+    def __init__(self, vocab: int, batch: int, seq: int, seed: int):
+        self.gen = torch.Generator().manual_seed(seed)
+        self.vocab, self.batch, self.seq = vocab, batch, seq
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        row = torch.randint(0, self.vocab, (self.batch, self.seq + 1), generator=self.gen)
+        return row[:, :-1], row[:, 1:]
+
+
+def worker(args: argparse.Namespace) -> None:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+    tokens_per_rank = args.total_batch_size // world
+    batch = tokens_per_rank // args.max_seq_len
+    if args.tokenizer_dir:
+        from .data import TokenLoader
+        from .tokenizer import Tokenizer
+
+        tok = Tokenizer.load(args.tokenizer_dir)
+        vocab = tok.vocab_size
+        batches = TokenLoader(args.data_dir, tok, "train", batch, args.max_seq_len, rank, world)
+    else:
+        vocab = args.vocab_size
+        batches = SyntheticBatches(vocab, batch, args.max_seq_len, seed=rank)
+    cfg = TrainConfig(depth=args.depth, max_seq_len=args.max_seq_len)
+    model = GPT(model_config_from(args.depth, cfg.aspect_ratio, cfg.head_dim, vocab, args.max_seq_len,
+                                  cfg.window_pattern))
+    model.init_weights(0)
+    muon_dtype = torch.bfloat16 if args.muon_dtype == "bfloat16" or (
+        args.muon_dtype == "auto" and cpu_has_native_bf16()) else torch.float32
+    opt = build_optimizer(model, cfg, rank, world, muon_dtype)
+    fwd = torch.compile(model, dynamic=False) if args.compile == "on" else model
+    peak = measure_matmul_peak(torch.device("cpu"), torch.float32)
+    fpt = flops_per_token(model)
+    times: dict[str, list[float]] = {"data": [], "model": [], "optim": [], "comm": [], "step": []}
+    first_step_s = None
+    for i in range(args.warmup + args.steps):
+        t0 = time.perf_counter()
+        x, y = next(batches)
+        t1 = time.perf_counter()
+        loss = fwd(x, y)
+        (loss / world).backward()
+        t2 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        t3 = time.perf_counter()
+        if i == 0:
+            first_step_s = t3 - PROCESS_START
+        if i >= args.warmup:
+            for k, v in (("data", t1 - t0), ("model", t2 - t1), ("optim", t3 - t2 - opt.last_comm_wait),
+                         ("comm", opt.last_comm_wait), ("step", t3 - t0)):
+                times[k].append(v)
+    mean = {k: sum(v) / len(v) for k, v in times.items()}
+    result = {"depth": args.depth, "nproc": world, "compile": args.compile, "vocab": vocab,
+              "tokens_per_step": args.total_batch_size, "threads": torch.get_num_threads(),
+              "step_ms": round(mean["step"] * 1000, 1),
+              "tok_per_s": round(args.total_batch_size / mean["step"], 1),
+              "mfu_pct": round(100 * fpt * args.total_batch_size / mean["step"] / (peak * world), 1),
+              "peak_gflops_per_rank": round(peak / 1e9, 1), "first_step_s": round(first_step_s or 0, 1),
+              "params": parameter_breakdown(model)["total"], "flops_per_token": fpt,
+              **{f"{k}_ms": round(v * 1000, 1) for k, v in mean.items() if k != "step"}}
+    rss = [None] * world
+    if world > 1:
+        dist.all_gather_object(rss, peak_rss_mib())
+        dist.destroy_process_group()
+    else:
+        rss = [peak_rss_mib()]
+    result["peak_rss_mib_per_rank"] = round(max(rss), 0)
+    if rank == 0:
+        print("BENCH " + json.dumps(result), flush=True)
+
+
+def launch(args: argparse.Namespace, depth: int, nproc: int, compile_mode: str) -> dict:
+    """Run one measurement in fresh processes (cold start included), return its result."""
+    env = dict(os.environ)
+    env["OMP_NUM_THREADS"] = str(max(1, args.cores // nproc))
+    common = ["--depth", str(depth), "--compile", compile_mode, "--steps", str(args.steps),
+              "--warmup", str(args.warmup), "--max-seq-len", str(args.max_seq_len),
+              "--total-batch-size", str(args.total_batch_size), "--vocab-size", str(args.vocab_size),
+              "--muon-dtype", args.muon_dtype]
+    if args.tokenizer_dir:
+        common += ["--data-dir", args.data_dir, "--tokenizer-dir", args.tokenizer_dir]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "nanochat_cpu.bench", "--worker", *common]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "nanochat_cpu.bench", "--worker", *common]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("BENCH "):
+            return json.loads(line[6:])
+    raise RuntimeError(f"bench run failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+
+
+def print_table(rows: list[dict]) -> None:
+    cols = ["depth", "nproc", "compile", "tok_per_s", "mfu_pct", "step_ms", "model_ms", "optim_ms", "comm_ms",
+            "data_ms", "first_step_s", "peak_rss_mib_per_rank"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(str(r[c]) for c in cols) + " |", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="nanochat_cpu.bench", allow_abbrev=False)
+    p.add_argument("--depth", type=int, default=4)
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--compile", choices=("on", "off"), default="off")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--total-batch-size", type=int, default=1024)
+    p.add_argument("--vocab-size", type=int, default=32768, help="nanochat's vocabulary, for comparison")
+    p.add_argument("--muon-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    p.add_argument("--data-dir", default=None)
+    p.add_argument("--tokenizer-dir", default=None)
+    p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="threads split over the processes")
+    p.add_argument("--table", action="store_true", help="depth 4/8 x 1/2 processes x compile on/off")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    if not args.table:
+        print(json.dumps(launch(args, args.depth, args.nproc, args.compile)))
+        return 0
+    rows = []
+    for depth in (4, 8):
+        for nproc in (1, 2):
+            for compile_mode in ("off", "on"):
+                rows.append(launch(args, depth, nproc, compile_mode))
+                print(f"# {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,303 @@
+"""Repository hygiene for the Ansible side: roles, playbooks, inventory, lint.
+
+Runs without any node: every role is complete and documented (README, defaults and argument
+specs with exactly the same option names), every module is named by FQCN, every playbook passes
+--syntax-check, yamllint and ansible-lint (production profile) pass, the interface filter picks
+the right NIC, and a bad train.yml extra-var ends the playbook before any node play starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+ROLES_DIR = ROOT / "roles"
+ROLES = sorted(p.name for p in ROLES_DIR.iterdir() if p.is_dir())
+BIN = Path(sys.executable).parent
+TOP_PLAYBOOKS = ["site.yml", "train.yml", "stop.yml", "status.yml"]
+PLAYBOOKS = TOP_PLAYBOOKS + sorted(str(p.relative_to(ROOT)) for p in (ROOT / "playbooks").glob("*.yml"))
+EXPECTED_ROLES = {"python_env", "torch", "firewall", "dataset", "trainer", "mlflow"}
+
+
+def tool(name: str) -> str:
+    """The venv's copy of a tool (the one the project pins), else the one on PATH."""
+    path = BIN / name
+    if path.exists():
+        return str(path)
+    found = shutil.which(name)
+    assert found, f"{name} is not installed: it is in the project's requirements (make setup)"
+    return found
+
+
+def env() -> dict[str, str]:
+    e = dict(os.environ)
+    e["PATH"] = f"{BIN}{os.pathsep}{e.get('PATH', '')}"
+    e["ANSIBLE_CONFIG"] = str(ROOT / "ansible.cfg")
+    e.setdefault("ANSIBLE_NOCOLOR", "1")
+    e.setdefault("ANSIBLE_LOCAL_TEMP", "/tmp/ansible-local-tests")
+    return e
+
+
+def load(path: Path):
+    with open(path) as f:
+        return yaml.safe_load(f)
+
+
+# ---- role structure ------------------------------------------------------------------------
+
+def test_the_architecture_roles_exist() -> None:
+    assert EXPECTED_ROLES <= set(ROLES)
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_role_is_complete(role: str) -> None:
+    base = ROLES_DIR / role
+    for rel in ("README.md", "defaults/main.yml", "meta/argument_specs.yml", "meta/main.yml", "tasks/main.yml"):
+        assert (base / rel).is_file(), f"roles/{role}/{rel} is missing"
+    readme = (base / "README.md").read_text()
+    assert readme.startswith(f"# {role}"), f"roles/{role}/README.md must start with '# {role}'"
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_defaults_and_argument_specs_name_the_same_options(role: str) -> None:
+    defaults = load(ROLES_DIR / role / "defaults/main.yml") or {}
+    specs = load(ROLES_DIR / role / "meta/argument_specs.yml")["argument_specs"]
+    assert "main" in specs, f"roles/{role}: argument_specs has no 'main' entry point"
+    spec_names: set[str] = set()
+    for entry, spec in specs.items():
+        options = spec.get("options") or {}
+        for name, option in options.items():
+            assert option.get("description"), f"roles/{role}: {entry}.{name} has no description"
+            assert option.get("type"), f"roles/{role}: {entry}.{name} has no type"
+        spec_names |= set(options)
+    assert set(defaults) == spec_names, (
+        f"roles/{role}: only in defaults/main.yml: {sorted(set(defaults) - spec_names)}; "
+        f"only in meta/argument_specs.yml: {sorted(spec_names - set(defaults))}"
+    )
+    for name in defaults:
+        assert name.startswith(role + "_"), f"roles/{role}: option {name} lacks the role prefix"
+    readme = (ROLES_DIR / role / "README.md").read_text()
+    for name in defaults:
+        if name.startswith("cluster_facts_"):
+            continue  # documented by the inventory variable each maps (README + docs/INVENTORY.md)
+        assert name in readme, f"roles/{role}/README.md does not document {name}"
+
+
+# ---- FQCN --------------------------------------------------------------------------------
+
+def _keywords() -> set[str]:
+    from ansible.playbook.task import Task
+
+    return set(Task.fattributes) | {"block", "rescue", "always", "local_action"}
+
+
+def _tasks(items, where: str):
+    for task in items or []:
+        if not isinstance(task, dict):
+            continue
+        for section in ("block", "rescue", "always"):
+            if section in task:
+                yield from _tasks(task[section], where)
+        if not any(s in task for s in ("block", "rescue", "always")):
+            yield where, task
+
+
+def _task_files():
+    for role in ROLES:
+        for sub in ("tasks", "handlers"):
+            for path in sorted((ROLES_DIR / role / sub).glob("*.yml")):
+                yield path, load(path)
+    for pb in PLAYBOOKS:
+        for play in load(ROOT / pb) or []:
+            for section in ("pre_tasks", "tasks", "post_tasks", "handlers"):
+                if section in play:
+                    yield ROOT / pb, play[section]
+            if "import_playbook" in play or "ansible.builtin.import_playbook" in play:
+                assert "ansible.builtin.import_playbook" in play, f"{pb}: import_playbook without FQCN"
+
+
+def test_every_module_is_named_by_fqcn() -> None:
+    keywords = _keywords()
+    bad = []
+    count = 0
+    for path, tasks in _task_files():
+        for where, task in _tasks(tasks, str(path.relative_to(ROOT))):
+            modules = [k for k in task if k not in keywords and not k.startswith("with_")]
+            assert len(modules) == 1, f"{where}: task {task.get('name')!r} has modules {modules}"
+            count += 1
+            if not re.match(r"^[a-z0-9_]+\.[a-z0-9_]+\.[a-z0-9_]+$", modules[0]):
+                bad.append(f"{where}: {task.get('name')!r} uses {modules[0]}")
+    assert count > 100
+    assert not bad, "modules without FQCN:\n" + "\n".join(bad)
+
+
+def test_no_shell_module() -> None:
+    """Commands run as argv lists or modules: no shell strings, no pipelines."""
+    for path, tasks in _task_files():
+        for where, task in _tasks(tasks, str(path.relative_to(ROOT))):
+            assert "ansible.builtin.shell" not in task, f"{where}: {task.get('name')!r} uses shell"
+
+
+# ---- playbooks, lint ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("playbook", PLAYBOOKS)
+def test_syntax_check(playbook: str) -> None:
+    for inventory in ("inventory/example",):
+        res = subprocess.run([tool("ansible-playbook"), "--syntax-check", "-i", inventory, playbook],
+                             cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_top_level_playbooks_only_import() -> None:
+    for pb in TOP_PLAYBOOKS:
+        plays = load(ROOT / pb)
+        assert [list(p) for p in plays] == [["name", "ansible.builtin.import_playbook"]], pb
+        assert plays[0]["ansible.builtin.import_playbook"] == f"playbooks/{pb}"
+
+
+def test_yamllint_strict() -> None:
+    res = subprocess.run([tool("yamllint"), "-s", "."], cwd=ROOT, env=env(), capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
+def test_ansible_lint_production_profile() -> None:
+    res = subprocess.run([tool("ansible-lint"), "--nocolor", "--profile", "production"], cwd=ROOT, env=env(),
+                         capture_output=True, text=True, timeout=1200)
+    assert res.returncode == 0, res.stdout[-6000:] + res.stderr[-6000:]
+
+
+# ---- inventory ---------------------------------------------------------------------------
+
+def _inventory(path: str) -> dict:
+    res = subprocess.run([tool("ansible-inventory"), "-i", path, "--list"], cwd=ROOT, env=env(),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    import json
+
+    return json.loads(res.stdout)
+
+
+def test_example_inventory_is_the_field_reports_cluster() -> None:
+    inv = _inventory("inventory/example")
+    assert inv["master"]["hosts"] == ["workstation"]
+    assert inv["workers"]["hosts"] == ["laptop"]
+    assert set(inv["cluster"]["children"]) == {"master", "workers"}
+    ws, lap = inv["_meta"]["hostvars"]["workstation"], inv["_meta"]["hostvars"]["laptop"]
+    assert (ws["train_interface"], ws["omp_num_threads"], ws["torch_variant"], ws["train_device"]) == (
+        "enp4s0", 8, "cu128", "cpu")
+    assert (lap["train_interface"], lap["omp_num_threads"]) == ("wlp3s0", 4)
+    assert ws["lan_subnet"] == "192.168.1.0/24"
+
+
+def test_inventory_doc_names_every_variable_the_roles_read() -> None:
+    """Each `{{ name | default(...) }}` in a role default is an inventory or extra-var: documented."""
+    doc = (ROOT / "docs/INVENTORY.md").read_text()
+    names = set()
+    for role in ROLES:
+        text = (ROLES_DIR / role / "defaults/main.yml").read_text()
+        names |= set(re.findall(r"\{\{\s*([a-z_]+)\s*\|\s*default\(", text))
+    names -= {"ansible_port"}
+    assert names >= {"lan_subnet", "train_interface", "omp_num_threads", "depth", "run_name", "restart"}
+    missing = sorted(n for n in names if f"`{n}`" not in doc)
+    assert not missing, f"docs/INVENTORY.md does not document {missing}"
+    for name in ("nproc_per_node", "torch_variant", "torch_wheelhouse", "train_device"):
+        assert f"`{name}`" in doc
+
+
+# ---- the interface filter ---------------------------------------------------------------------
+
+def _filter():
+    path = ROLES_DIR / "cluster_facts/filter_plugins/cluster_facts.py"
+    spec = importlib.util.spec_from_file_location("cluster_facts_filter", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.cluster_facts_train_net
+
+
+FACTS = {
+    "interfaces": ["lo", "enp4s0", "docker0", "tailscale0", "wlp3s0"],
+    "enp4s0": {"ipv4": {"address": "192.168.1.36"}},
+    "docker0": {"ipv4": {"address": "172.17.0.1"}},
+    "tailscale0": {"ipv4": {"address": "100.64.0.5"}},
+    "wlp3s0": {"ipv4": {"address": "10.9.8.7"}, "ipv4_secondaries": [{"address": "192.168.1.99"}]},
+    "lo": {"ipv4": {"address": "127.0.0.1"}},
+}
+
+
+def test_filter_uses_the_requested_interface() -> None:
+    net = _filter()(FACTS, "192.168.1.0/24", "enp4s0")
+    assert net == {"interface": "enp4s0", "ipv4": "192.168.1.36", "error": ""}
+    assert _filter()(FACTS, "192.168.1.0/24", "wlp3s0")["ipv4"] == "192.168.1.99"  # secondary address
+
+
+def test_filter_names_a_missing_interface_and_the_right_one() -> None:
+    net = _filter()(FACTS, "192.168.1.0/24", "eth0")
+    assert net["interface"] == "" and "'eth0' does not exist" in net["error"]
+    assert "enp4s0 has 192.168.1.36" in net["error"]
+
+
+def test_filter_refuses_an_interface_off_the_lan() -> None:
+    net = _filter()(FACTS, "192.168.1.0/24", "docker0")
+    assert "no IPv4 address in lan_subnet 192.168.1.0/24" in net["error"] and "172.17.0.1" in net["error"]
+
+
+def test_filter_derives_the_only_interface_on_the_lan() -> None:
+    facts = {k: v for k, v in FACTS.items() if k != "wlp3s0"} | {"interfaces": ["lo", "enp4s0", "docker0"]}
+    assert _filter()(facts, "192.168.1.0/24", "")["interface"] == "enp4s0"
+
+
+def test_filter_asks_when_two_interfaces_are_on_the_lan() -> None:
+    net = _filter()(FACTS, "192.168.1.0/24", "")
+    assert net["interface"] == "" and "several interfaces" in net["error"]
+
+
+def test_filter_rejects_a_bad_subnet_and_dashed_names() -> None:
+    assert "not an IPv4 network" in _filter()(FACTS, "192.168.1/abc", "")["error"]
+    facts = {"interfaces": ["br-lan"], "br_lan": {"ipv4": {"address": "10.0.0.2"}}}
+    assert _filter()(facts, "10.0.0.0/8", "br-lan")["ipv4"] == "10.0.0.2"
+
+
+# ---- train.yml refuses bad input before any node play --------------------------------------------
+
+LOCALHOST_INV = """all:
+  hosts:
+    localhost:
+      ansible_connection: local
+      ansible_python_interpreter: "{{ ansible_playbook_python }}"
+"""
+
+
+@pytest.mark.parametrize(
+    ("extra", "expect"),
+    [
+        (["-e", "depth=-3"], "depth=-3 must be a positive integer"),
+        (["-e", "train_device=tpu"], "train_device must be cpu or cuda"),
+        (["-e", "total_batch_size=1000"], "Nearest valid total_batch_size: 1024"),
+        (["-e", "total_batch_size=3000", "-e", "device_batch_size=1", "-e", "max_seq_len=256"],
+         "Nearest valid total_batch_size: 2560 or 3072"),
+        (["-e", "dtype=fp16"], "dtype=fp16 must be one of: auto, float32, bfloat16"),
+        (["-e", "train_device=cuda"], "train_device=cuda needs torch_variant cuNNN on every node; laptop"),
+    ],
+)
+def test_bad_extra_vars_fail_before_any_node_play(tmp_path: Path, extra: list[str], expect: str) -> None:
+    """The example inventory's hosts are unreachable here: reaching a node play would show it."""
+    (tmp_path / "localhost.yml").write_text(LOCALHOST_INV)
+    res = subprocess.run(
+        [tool("ansible-playbook"), "-i", "inventory/example", "-i", str(tmp_path / "localhost.yml"), "train.yml", *extra],
+        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300,
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out
+    assert expect in " ".join(out.split()), out
+    assert "PLAY [Preflight every node]" not in out, "a node play started after a bad extra-var"
+    assert "UNREACHABLE" not in out
