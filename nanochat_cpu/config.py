@@ -13,7 +13,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,6 +51,11 @@ class TrainConfig:
     max_seq_len: int = field(default=512, metadata={"help": "context length in tokens"})
     # batch
     device_batch_size: int = field(default=2, metadata={"help": "sequences per rank per micro-step"})
+    rank_batch_sizes: str = field(
+        default="",
+        metadata={"help": "uneven split: sequences per micro-step for each rank, e.g. '6,2' (faster hosts "
+                          "more); 'auto' measures each rank at start; empty = --device-batch-size everywhere"},
+    )
     total_batch_size: int = field(default=1024, metadata={"help": "tokens per optimizer step over all ranks"})
     # schedule
     num_iterations: int = field(default=200, metadata={"help": "optimizer steps"})
@@ -117,44 +121,75 @@ def nearest_valid_totals(unit: int, total: int) -> tuple[int, int]:
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Raise ConfigError naming the host, the value and the fix."""
-    host = socket.gethostname()
+    """Raise ConfigError naming the value and the fix (the log line adds the host)."""
     positive = ("depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size",
                 "total_batch_size", "num_iterations", "eval_tokens", "keep_checkpoints")
     for name in positive:
         value = getattr(cfg, name)
         if value <= 0:
-            raise ConfigError(f"[{host}] --{name.replace('_', '-')}={value}: must be a positive integer")
+            raise ConfigError(f"--{name.replace('_', '-')}={value}: must be a positive integer")
     for name in ("eval_every", "sample_every", "checkpoint_every", "checksum_every"):
         if getattr(cfg, name) < 0:
-            raise ConfigError(f"[{host}] --{name.replace('_', '-')}={getattr(cfg, name)}: must be >= 0")
+            raise ConfigError(f"--{name.replace('_', '-')}={getattr(cfg, name)}: must be >= 0")
     if cfg.collective_timeout <= 0:
-        raise ConfigError(f"[{host}] --collective-timeout={cfg.collective_timeout}: must be > 0 seconds")
+        raise ConfigError(f"--collective-timeout={cfg.collective_timeout}: must be > 0 seconds")
     for name in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):
         if not 0.0 <= getattr(cfg, name) <= 1.0:
-            raise ConfigError(f"[{host}] --{name.replace('_', '-')}={getattr(cfg, name)}: must be in [0, 1]")
+            raise ConfigError(f"--{name.replace('_', '-')}={getattr(cfg, name)}: must be in [0, 1]")
     if cfg.warmup_ratio + cfg.warmdown_ratio > 1.0:
-        raise ConfigError(f"[{host}] --warmup-ratio + --warmdown-ratio = {cfg.warmup_ratio + cfg.warmdown_ratio} > 1")
+        raise ConfigError(f"--warmup-ratio + --warmdown-ratio = {cfg.warmup_ratio + cfg.warmdown_ratio} > 1")
     if not cfg.window_pattern or set(cfg.window_pattern) - {"S", "L"}:
-        raise ConfigError(f"[{host}] --window-pattern={cfg.window_pattern!r}: use only the letters S and L, e.g. SSSL")
-    unit = cfg.device_batch_size * cfg.max_seq_len * world_size
+        raise ConfigError(f"--window-pattern={cfg.window_pattern!r}: use only the letters S and L, e.g. SSSL")
+    sizes = explicit_rank_batch_sizes(cfg, world_size)
+    if sizes is not None:
+        unit = sum(sizes) * cfg.max_seq_len
+        explain = f"sum(rank_batch_sizes) x max_seq_len = {sum(sizes)} x {cfg.max_seq_len} = {unit}"
+    else:
+        unit = cfg.device_batch_size * cfg.max_seq_len * world_size
+        explain = (f"device_batch_size x max_seq_len x world_size = {cfg.device_batch_size} x {cfg.max_seq_len} x "
+                   f"{world_size} = {unit}")
     if cfg.total_batch_size % unit:
         below, above = nearest_valid_totals(unit, cfg.total_batch_size)
         raise ConfigError(
-            f"[{host}] --total-batch-size={cfg.total_batch_size} is not divisible by "
-            f"device_batch_size x max_seq_len x world_size = {cfg.device_batch_size} x {cfg.max_seq_len} x "
-            f"{world_size} = {unit}. Nearest valid --total-batch-size: {below} or {above} "
-            f"(or change --device-batch-size / --max-seq-len)."
+            f"--total-batch-size={cfg.total_batch_size} is not divisible by {explain}. "
+            f"{suggest(cfg, unit, sizes is None, world_size)}"
         )
     for name in ("data_dir", "tokenizer_dir"):
         path = getattr(cfg, name)
         if not os.path.isdir(path):
             raise ConfigError(
-                f"[{host}] --{name.replace('_', '-')}={path}: no such directory (run site.yml to push it)")
+                f"--{name.replace('_', '-')}={path}: no such directory (run site.yml to push it)")
 
 
-def grad_accum_steps(cfg: TrainConfig, world_size: int) -> int:
-    return cfg.total_batch_size // (cfg.device_batch_size * cfg.max_seq_len * world_size)
+def suggest(cfg: TrainConfig, unit: int, even: bool, world_size: int) -> str:
+    below, above = nearest_valid_totals(unit, cfg.total_batch_size)
+    totals = f"{below}" if below == above else f"{below} or {above}"
+    text = f"Nearest valid --total-batch-size: {totals}"
+    if even:
+        rows = [d for d in range(cfg.device_batch_size, 0, -1)
+                if cfg.total_batch_size % (d * cfg.max_seq_len * world_size) == 0]
+        if rows:
+            text += f"; or keep it and use --device-batch-size {rows[0]}"
+    return text + "."
+
+
+def explicit_rank_batch_sizes(cfg: TrainConfig, world_size: int) -> list[int] | None:
+    """The per-rank split given on the command line; None when even or measured ('auto')."""
+    if cfg.rank_batch_sizes in ("", "auto"):
+        return None
+    try:
+        sizes = [int(x) for x in cfg.rank_batch_sizes.split(",")]
+    except ValueError:
+        raise ConfigError(f"--rank-batch-sizes={cfg.rank_batch_sizes!r}: expected integers like '6,2', "
+                          f"'auto' or nothing") from None
+    if len(sizes) != world_size or min(sizes) < 1:
+        raise ConfigError(f"--rank-batch-sizes={cfg.rank_batch_sizes!r}: need {world_size} positive "
+                          f"integers, one per rank (WORLD_SIZE={world_size})")
+    return sizes
+
+
+def grad_accum_steps(cfg: TrainConfig, sizes: list[int]) -> int:
+    return cfg.total_batch_size // (sum(sizes) * cfg.max_seq_len)
 
 
 def config_hash(cfg: TrainConfig) -> str:

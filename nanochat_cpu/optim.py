@@ -41,7 +41,11 @@ all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_te
 
 
 def orthogonalize(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Approximate U V^T of a batch of matrices (..., m, n) by Newton-Schulz iteration."""
+    """Approximate U V^T of a stack of matrices (k, m, n) by Newton-Schulz iteration.
+
+    The polynomial's scalings ride in baddbmm's alpha/beta, so each iteration is three GEMMs
+    and no separate elementwise passes (which on CPU cost as much as the GEMMs at these sizes).
+    """
     a, b, c = NS_COEFFS
     x = g.to(dtype)
     transposed = x.size(-2) > x.size(-1)
@@ -49,9 +53,9 @@ def orthogonalize(g: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         x = x.mT
     x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)
     for _ in range(NS_STEPS):
-        gram = x @ x.mT
-        poly = b * gram + c * gram @ gram
-        x = a * x + poly @ x
+        gram = torch.bmm(x, x.mT)
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)  # b*G + c*G@G
+        x = torch.baddbmm(x, poly, x, beta=a, alpha=1.0)  # a*X + P@X
     if transposed:
         x = x.mT
     return x.to(g.dtype)
@@ -111,19 +115,24 @@ class MuonAdamW:
             offset += n
         return buf
 
-    def _flat_params(self, g: Group) -> torch.Tensor:
+    def _my_param_slice(self, g: Group) -> torch.Tensor:
+        """A copy of the parameter values this rank owns, in the padded flat layout."""
         p0 = g.params[0]
+        lo, hi = self.rank * g.shard, (self.rank + 1) * g.shard
         if g.kind == "muon":
-            buf = torch.zeros((g.shard * self.world_size, *p0.shape), dtype=p0.dtype, device=p0.device)
-            for i, p in enumerate(g.params):
-                buf[i].copy_(p.data)
-            return buf
-        buf = torch.zeros(g.shard * self.world_size, dtype=p0.dtype, device=p0.device)
+            out = torch.zeros((g.shard, *p0.shape), dtype=p0.dtype, device=p0.device)
+            for i in range(lo, min(hi, g.numel)):
+                out[i - lo].copy_(g.params[i].data)
+            return out
+        out = torch.zeros(g.shard, dtype=p0.dtype, device=p0.device)
         offset = 0
         for p in g.params:
-            buf[offset: offset + p.numel()].copy_(p.data.reshape(-1))
-            offset += p.numel()
-        return buf
+            n = p.numel()
+            a, b = max(lo, offset), min(hi, offset + n)
+            if a < b:
+                out[a - lo: b - lo].copy_(p.data.reshape(-1)[a - offset: b - offset])
+            offset += n
+        return out
 
     def _scatter_back(self, g: Group, full: torch.Tensor) -> None:
         if g.kind == "muon":
@@ -153,21 +162,27 @@ class MuonAdamW:
         torch._fused_adamw_(params, grads, m, v, [], steps, lr=lr, beta1=b1, beta2=b2,
                             weight_decay=g.weight_decay, eps=g.eps, amsgrad=False, maximize=False)
 
-    def _muon(self, g: Group, params: torch.Tensor, grads: torch.Tensor, owned: int) -> None:
-        """Update `owned` stacked matrices in place (the rest of the slice is padding)."""
+    def _muon(self, g: Group, params: torch.Tensor | list[torch.Tensor], grads: torch.Tensor, owned: int) -> None:
+        """Momentum, orthogonalisation and update of the first `owned` stacked matrices.
+
+        `params` is the stacked slice (N ranks) or the list of parameters (1 rank); rows past
+        `owned` are padding and are left alone.
+        """
         if owned <= 0:
             return
         if "momentum" not in g.state:
             g.state["momentum"] = torch.zeros_like(grads)
-        buf = g.state["momentum"]
-        p, grad, mom = params[:owned], grads[:owned], buf[:owned]
+        grad, mom = grads[:owned], g.state["momentum"][:owned]
         mom.lerp_(grad, 1 - g.momentum)
-        update = orthogonalize(grad.lerp(mom, g.momentum), self.muon_dtype)  # Nesterov
-        rows, cols = p.shape[-2:]
+        update = orthogonalize(grad.lerp_(mom, g.momentum), self.muon_dtype)  # Nesterov
+        rows, cols = grads.shape[-2:]
         lr = g.lr * g.lr_multiplier * max(1.0, rows / cols) ** 0.5
-        if g.weight_decay:
-            p.mul_(1 - lr * g.weight_decay)
-        p.add_(update, alpha=-lr)
+        # one stacked update (N ranks) or one per parameter (1 rank)
+        pairs = [(params[:owned], update)] if isinstance(params, torch.Tensor) else zip(params, update, strict=True)
+        for p, u in pairs:
+            if g.weight_decay:
+                p.mul_(1 - lr * g.weight_decay)
+            p.add_(u, alpha=-lr)
 
     def _owned_matrices(self, g: Group) -> int:
         return max(0, min(g.shard, g.numel - self.rank * g.shard))
@@ -183,9 +198,8 @@ class MuonAdamW:
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params]
                     self._adamw(g, [p.data for p in g.params], grads)
                     continue
-                flat_p, flat_g = self._flat_params(g), self._flat_grads(g)
-                self._update_slice(g, flat_p, flat_g)
-                self._scatter_back(g, flat_p)
+                grads = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params])
+                self._muon(g, [p.data for p in g.params], grads, len(g.params))
             return
         pending = []
         for g in self.groups:
@@ -199,10 +213,10 @@ class MuonAdamW:
             t0 = time.perf_counter()
             work.wait()
             waited += time.perf_counter() - t0
-            full = self._flat_params(g)
-            mine = full[self.rank * g.shard: (self.rank + 1) * g.shard].clone()
+            mine = self._my_param_slice(g)
             self._update_slice(g, mine, grad_slice)
-            gathered = torch.empty_like(full)
+            gathered = torch.empty((g.shard * self.world_size, *mine.shape[1:]), dtype=mine.dtype,
+                                   device=mine.device)
             gathers.append((g, gathered, all_gather(gathered, mine, async_op=True)))
         for g, gathered, work in gathers:
             t0 = time.perf_counter()

@@ -22,7 +22,16 @@ import torch
 import torch.distributed as dist
 
 from . import __version__, checkpoint, fingerprint
-from .config import ConfigError, TrainConfig, config_hash, grad_accum_steps, parse_config, validate, world_size_from_env
+from .config import (
+    ConfigError,
+    TrainConfig,
+    config_hash,
+    explicit_rank_batch_sizes,
+    grad_accum_steps,
+    parse_config,
+    validate,
+    world_size_from_env,
+)
 from .data import TokenLoader
 from .dist import (
     EXIT_CONFIG,
@@ -130,6 +139,82 @@ def evaluate_bpb(model: GPT, cfg: TrainConfig, env: DistEnv, tokenizer: Tokenize
     return float(totals[0] / (math.log(2) * totals[1].clamp(min=1)))
 
 
+# ---- work split ------------------------------------------------------------------------------
+
+def largest_remainder(shares: list[float], total: int) -> list[int]:
+    """Integers >= 1 proportional to `shares` that sum to `total`."""
+    raw = [total * s / sum(shares) for s in shares]
+    sizes = [max(1, int(r)) for r in raw]
+    order = sorted(range(len(raw)), key=lambda i: raw[i] - int(raw[i]), reverse=True)
+    i = 0
+    while sum(sizes) < total:
+        sizes[order[i % len(order)]] += 1
+        i += 1
+    while sum(sizes) > total:
+        j = max(range(len(sizes)), key=lambda k: sizes[k] - raw[k])
+        sizes[j] -= 1
+    return sizes
+
+
+def calibrate_split(model: GPT, cfg: TrainConfig, env: DistEnv, ctx, watchdog: Watchdog) -> list[int]:
+    """Time a few forward+backward passes on every rank; faster ranks take more of each micro-step.
+
+    The global rows per micro-step stay device_batch_size x world_size, so the batch
+    arithmetic and the optimisation (token-weighted gradient mean) are unchanged.
+    """
+    gen = torch.Generator().manual_seed(cfg.seed)  # not the global RNG: training stays reproducible
+    rows = torch.randint(0, model.cfg.vocab_size, (cfg.device_batch_size, cfg.max_seq_len + 1), generator=gen)
+    x, y = rows[:, :-1].to(env.device), rows[:, 1:].to(env.device)
+    times = []
+    for i in range(3):
+        t0 = time.perf_counter()
+        with ctx:
+            model(x, y).backward()
+        if i:  # the first pass warms up allocators and kernels
+            times.append(time.perf_counter() - t0)
+    model.zero_grad(set_to_none=True)
+    mine = torch.tensor([sum(times) / len(times)], dtype=torch.float64)
+    everyone = [torch.zeros_like(mine) for _ in range(env.world_size)]
+    with watchdog.phase("all_gather calibration", 0):
+        dist.all_gather(everyone, mine)
+    seconds = [float(t) for t in everyone]
+    sizes = largest_remainder([1 / t for t in seconds], cfg.device_batch_size * env.world_size)
+    if env.master:
+        log(env, "calibrated work split: " + ", ".join(
+            f"rank {r}@{env.hosts[r]} {seconds[r] * 1000:.0f} ms/micro-batch -> {sizes[r]} rows"
+            for r in range(env.world_size)))
+    return sizes
+
+
+def work_split(cfg: TrainConfig, env: DistEnv, model: GPT, ctx, watchdog: Watchdog, saved: list[int] | None,
+               ) -> list[int]:
+    explicit = explicit_rank_batch_sizes(cfg, env.world_size)
+    if explicit is not None:
+        return explicit
+    if cfg.rank_batch_sizes != "auto" or not env.distributed:
+        return [cfg.device_batch_size] * env.world_size
+    if saved is not None and len(saved) == env.world_size:
+        if env.master:
+            log(env, f"work split from the checkpoint: {saved}")
+        return saved
+    return calibrate_split(model, cfg, env, ctx, watchdog)
+
+
+def log_rank_timings(env: DistEnv, tracker: Tracker, step: int, compute_s: float, wait_s: float,
+                     watchdog: Watchdog) -> None:
+    """Who computed how long and who waited: the numbers behind the work split."""
+    mine = torch.tensor([compute_s, wait_s], dtype=torch.float64)
+    everyone = [torch.zeros_like(mine) for _ in range(env.world_size)]
+    with watchdog.phase("all_gather timings", step):
+        dist.all_gather(everyone, mine)
+    if env.master:
+        log(env, f"timing step {step:05d}: " + " | ".join(
+            f"rank {r}@{env.hosts[r]} compute_ms={float(t[0]) * 1000:.0f} comm_wait_ms={float(t[1]) * 1000:.0f}"
+            for r, t in enumerate(everyone)))
+        tracker.log_metrics({f"{k}_ms_rank{r}": float(t[i]) * 1000 for r, t in enumerate(everyone)
+                             for i, k in enumerate(("compute", "comm_wait"))}, step)
+
+
 # ---- checkpoints -------------------------------------------------------------------------------
 
 def ranks_on_this_node(env: DistEnv) -> list[int]:
@@ -229,7 +314,6 @@ def run(cfg: TrainConfig) -> None:
     model.init_weights(cfg.seed)
     model.to(env.device)
     opt = build_optimizer(model, cfg, env.rank, env.world_size, muon_dtype)
-    accum = grad_accum_steps(cfg, env.world_size)
     fpt = flops_per_token(model)
     if env.master:
         parts = parameter_breakdown(model)
@@ -237,7 +321,7 @@ def run(cfg: TrainConfig) -> None:
         log(env, "parameters: " + ", ".join(f"{k}={v:,}" for k, v in parts.items())
             + f" | FLOPs/token (for MFU) = {fpt:,} = 6 x {dense:,}"
             f" non-embedding params + attention | model_dim={mcfg.n_embd} heads={mcfg.n_head} "
-            f"windows={model.windows} | grad_accum={accum} tokens/step={cfg.total_batch_size:,}")
+            f"windows={model.windows} | tokens/step={cfg.total_batch_size:,}")
 
     start_step, loader_state, extra = 0, None, {}
     resume_step = agree_on_resume_step(cfg, env)
@@ -253,11 +337,16 @@ def run(cfg: TrainConfig) -> None:
         start_step = resume_step
         log(env, f"resumed from checkpoint step {resume_step} ({checkpoint.step_dir(cfg.out_dir, resume_step)})")
 
+    ctx = autocast_for(env.device, ctx_dtype)
+    sizes = work_split(cfg, env, model, ctx, watchdog, extra.get("rank_batch_sizes"))
+    accum = grad_accum_steps(cfg, sizes)
+    if env.master:
+        log(env, f"batch: {cfg.total_batch_size:,} tokens/step = {accum} micro-steps x rows {sizes} x "
+                 f"{cfg.max_seq_len} tokens")
     train_model = torch.compile(model, dynamic=False) if compiled else model
-    loader = TokenLoader(cfg.data_dir, tokenizer, "train", cfg.device_batch_size, cfg.max_seq_len, env.rank,
+    loader = TokenLoader(cfg.data_dir, tokenizer, "train", sizes[env.rank], cfg.max_seq_len, env.rank,
                          env.world_size, state=loader_state)
     batches = iter(loader)
-    ctx = autocast_for(env.device, ctx_dtype)
     token_bytes = tokenizer.token_bytes().to(env.device)
     peak = measure_matmul_peak(env.device, ctx_dtype)
     tracker = Tracker(cfg, env, extra.get("mlflow_run_id"))
@@ -266,8 +355,9 @@ def run(cfg: TrainConfig) -> None:
     if env.master:
         log(env, f"matmul peak {peak / 1e9:.0f} GFLOP/s per rank ({ctx_dtype}); MFU is measured against it")
 
-    # every rank contributes the same number of tokens: scale so the summed gradient is the mean
-    loss_scale = 1.0 / (accum * env.world_size)
+    # gradients are summed across ranks: weight each rank's mean loss by its share of the tokens,
+    # so an uneven split optimises exactly what an even one does
+    loss_scale = sizes[env.rank] / (sum(sizes) * accum)
     step = start_step
     if start_step == 0 and env.distributed:
         check_parameters_agree(env, model, 0)
@@ -307,6 +397,8 @@ def run(cfg: TrainConfig) -> None:
             fail(env, EXIT_MISMATCH, f"loss is {train_loss} at step {step}: training diverged "
                                      f"(lower --matrix-lr/--embedding-lr or resume from an earlier checkpoint)")
         last = step == cfg.num_iterations
+        if env.distributed and (step % 10 == 0 or last):
+            log_rank_timings(env, tracker, step, t_compute, opt.last_comm_wait, watchdog)
         if env.distributed and (step == 1 or (cfg.checksum_every and step % cfg.checksum_every == 0) or last):
             with watchdog.phase("all_gather parameter checksum", step):
                 check_parameters_agree(env, model, step)
@@ -322,7 +414,8 @@ def run(cfg: TrainConfig) -> None:
             model.train()
             log(env, f"sample step {step:05d}: {prompt}{tokenizer.decode(out)!r}")
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last:
-            save_checkpoint(cfg, env, model, opt, loader, step, watchdog, {"mlflow_run_id": tracker.run_id})
+            extra = {"mlflow_run_id": tracker.run_id, "rank_batch_sizes": sizes}
+            save_checkpoint(cfg, env, model, opt, loader, step, watchdog, extra)
             tracker.flush()
 
     log(env, f"done: {step} steps, peak RSS {peak_rss_mib():.0f} MiB")

@@ -1,7 +1,8 @@
 """Worker for the optimizer tests, run under torchrun (or alone for the 1-rank reference).
 
-`step OUT`: two optimizer steps of a small GPT on a fixed global batch, each rank taking its
-contiguous share of the rows; writes the final parameters to OUT (rank 0).
+`step OUT [SIZES]`: two optimizer steps of a small GPT on a fixed global batch, each rank taking
+its contiguous share of the rows (SIZES like "4,2": rows per rank, weighted by tokens as the
+trainer does; default an even split); writes the final parameters to OUT (rank 0).
 `diverge`: perturb one parameter on the last rank, then run the cross-rank checksum guard.
 """
 
@@ -46,7 +47,7 @@ def make_model() -> GPT:
     return model
 
 
-def step(out: str) -> None:
+def step(out: str, split: str | None) -> None:
     env = setup()
     torch.manual_seed(0)
     model = make_model()
@@ -58,10 +59,12 @@ def step(out: str) -> None:
     gen = torch.Generator().manual_seed(3)
     for _ in range(2):
         tokens = torch.randint(0, VOCAB, (GLOBAL_ROWS, SEQ + 1), generator=gen)
-        per = GLOBAL_ROWS // env.world_size
-        mine = tokens[env.rank * per:(env.rank + 1) * per]
+        sizes = [int(x) for x in split.split(",")] if split else [GLOBAL_ROWS // env.world_size] * env.world_size
+        assert sum(sizes) == GLOBAL_ROWS and len(sizes) == env.world_size
+        start = sum(sizes[: env.rank])
+        mine = tokens[start:start + sizes[env.rank]]
         loss = model(mine[:, :-1], mine[:, 1:])
-        (loss / env.world_size).backward()
+        (loss * sizes[env.rank] / GLOBAL_ROWS).backward()
         opt.step()
         opt.zero_grad()
     if env.rank == 0:
@@ -81,4 +84,4 @@ def diverge() -> None:
 
 
 if __name__ == "__main__":
-    {"step": lambda: step(sys.argv[2]), "diverge": diverge}[sys.argv[1]]()
+    {"step": lambda: step(sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None), "diverge": diverge}[sys.argv[1]]()

@@ -36,6 +36,17 @@ def test_n_rank_step_equals_one_rank_step(world, reference, tmp_path):
     assert moved == len(reference) > 10
 
 
+@pytest.mark.parametrize("split", ["4,2", "1,2,3"])
+def test_uneven_token_weighted_split_equals_even_split(split, reference, tmp_path):
+    """A fast host taking more rows per step must not change what is optimised (issue 6)."""
+    out = tmp_path / "params.pt"
+    proc = run_torchrun(len(split.split(",")), [WORKER, "step", str(out), split])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = torch.load(out)
+    for name, ref in reference.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=2e-5, msg=f"{name} differs with split {split}")
+
+
 def test_diverged_ranks_are_stopped_by_checksum_guard():
     proc = run_torchrun(2, [WORKER, "diverge"], timeout=120)
     out = proc.stdout + proc.stderr

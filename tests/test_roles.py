@@ -282,7 +282,7 @@ LOCALHOST_INV = """all:
     [
         (["-e", "depth=-3"], "depth=-3 must be a positive integer"),
         (["-e", "train_device=tpu"], "train_device must be cpu or cuda"),
-        (["-e", "total_batch_size=1000"], "Nearest valid total_batch_size: 1024"),
+        (["-e", "total_batch_size=1000"], "Nearest valid total_batch_size: 2048 (-e total_batch_size=2048)"),
         (["-e", "total_batch_size=3000", "-e", "device_batch_size=1", "-e", "max_seq_len=256"],
          "Nearest valid total_batch_size: 2560 or 3072"),
         (["-e", "dtype=fp16"], "dtype=fp16 must be one of: auto, float32, bfloat16"),
