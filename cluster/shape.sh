@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Limit the bandwidth of one local-cluster node's link, both ways, with a token bucket (tbf):
+#   egress:  on the node's interface, inside the container;
+#   ingress: on the host end of the node's veth pair (its egress is the node's ingress).
+# usage: cluster/shape.sh CONTAINER IFACE RATE|none [BURST] [LATENCY]
+#   RATE as tc writes it (100mbit, 20mbit, 1gbit); none removes the limit.
+# Prints "changed" when it changed something, "unchanged" otherwise. Run as root on the host.
+set -euo pipefail
+container=$1 iface=$2 rate=$3 burst=${4:-32kbit} latency=${5:-400ms}
+
+in_node() { podman exec "$container" "$@"; }
+
+peer_index=$(in_node cat "/sys/class/net/$iface/iflink")
+host_if=$(ip -o link show | awk -F': ' -v idx="$peer_index" '$1 == idx { sub(/@.*/, "", $2); print $2 }')
+if [[ -z $host_if ]]; then
+    echo "shape.sh: no host interface with index $peer_index (peer of $container:$iface)" >&2
+    exit 1
+fi
+
+changed=0
+# qdisc_is DEV-RUNNER... : true when the root qdisc already is the wanted one
+apply() { # apply WHERE DEV  (WHERE: node|host)
+    local where=$1 dev=$2 run=()
+    [[ $where == node ]] && run=(podman exec "$container")
+    local current
+    current=$("${run[@]}" tc qdisc show dev "$dev" root)
+    if [[ $rate == none ]]; then
+        if [[ $current == *"qdisc tbf"* ]]; then
+            "${run[@]}" tc qdisc del dev "$dev" root
+            changed=1
+        fi
+        return
+    fi
+    # tc prints rates like 100Mbit; compare case-insensitively.
+    if [[ ${current,,} == *"qdisc tbf"*"rate ${rate,,} "* ]]; then
+        return
+    fi
+    "${run[@]}" tc qdisc replace dev "$dev" root tbf rate "$rate" burst "$burst" latency "$latency"
+    changed=1
+}
+apply node "$iface"
+apply host "$host_if"
+if ((changed)); then echo changed; else echo unchanged; fi
