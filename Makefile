@@ -68,7 +68,6 @@ cluster-status: root venv
 
 lint: venv
 	ruff check .
-	ruff format --check .
 	yamllint -s .
 	ansible-lint
 
