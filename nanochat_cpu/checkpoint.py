@@ -14,6 +14,7 @@ after a newer one is complete.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -34,11 +35,17 @@ def step_dir(out_dir: str, step: int) -> str:
 
 def atomic_torch_save(obj, path: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        # disk full: give the space of the partial file back (a SIGKILL leaves it; prune removes it)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
 
 
 def atomic_write_text(path: str, text: str) -> None:

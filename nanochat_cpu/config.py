@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -70,6 +71,10 @@ class TrainConfig:
     muon_dtype: str = field(
         default="auto",
         metadata={"choices": ("auto", "float32", "bfloat16"), "help": "Newton-Schulz dtype; auto: bf16 where native"},
+    )
+    grad_comm_dtype: str = field(
+        default="float32",
+        metadata={"choices": ("float32", "bfloat16"), "help": "dtype gradients travel in (bf16 halves the bytes)"},
     )
     # evaluation, logging, checkpoints
     eval_every: int = field(default=100, metadata={"help": "steps between val bpb evaluations (0 = only at end)"})
@@ -131,8 +136,17 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     for name in ("eval_every", "sample_every", "checkpoint_every", "checksum_every"):
         if getattr(cfg, name) < 0:
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(cfg, name)}: must be >= 0")
+    for f in dataclasses.fields(cfg):  # nan/inf pass every comparison below: reject them first
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"--{f.name.replace('_', '-')}={value}: must be a finite number")
     if cfg.collective_timeout <= 0:
         raise ConfigError(f"--collective-timeout={cfg.collective_timeout}: must be > 0 seconds")
+    for name in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay"):
+        if getattr(cfg, name) < 0:
+            raise ConfigError(f"--{name.replace('_', '-')}={getattr(cfg, name)}: must be >= 0")
+    if cfg.seed < 0:
+        raise ConfigError(f"--seed={cfg.seed}: must be >= 0")
     for name in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):
         if not 0.0 <= getattr(cfg, name) <= 1.0:
             raise ConfigError(f"--{name.replace('_', '-')}={getattr(cfg, name)}: must be in [0, 1]")
@@ -154,11 +168,31 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"--total-batch-size={cfg.total_batch_size} is not divisible by {explain}. "
             f"{suggest(cfg, unit, sizes is None, world_size)}"
         )
+
+
+def host_problems(cfg: TrainConfig) -> list[str]:
+    """This host's paths: the one part of the input that can differ between the ranks' hosts.
+
+    Not raised before rendezvous like `validate`: a rank that left now would leave the others
+    waiting for it in the rendezvous for the whole --collective-timeout. The ranks exchange
+    these lists right after joining and all stop together, naming the host.
+    """
+    problems = []
     for name in ("data_dir", "tokenizer_dir"):
         path = getattr(cfg, name)
         if not os.path.isdir(path):
-            raise ConfigError(
-                f"--{name.replace('_', '-')}={path}: no such directory (run site.yml to push it)")
+            problems.append(f"--{name.replace('_', '-')}={path}: no such directory (run site.yml to push it)")
+    # checkpoints go here: find out now, not at the first checkpoint, that they cannot
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+    except OSError as exc:
+        problems.append(f"--out-dir={cfg.out_dir}: cannot create it ({exc.strerror}); point it at a writable "
+                        f"directory")
+    else:
+        if not os.access(cfg.out_dir, os.W_OK | os.X_OK):
+            problems.append(f"--out-dir={cfg.out_dir}: not writable by uid {os.getuid()}; fix its owner (the "
+                            f"unit runs as user nanochat) or point it elsewhere")
+    return problems
 
 
 def suggest(cfg: TrainConfig, unit: int, even: bool, world_size: int) -> str:

@@ -415,6 +415,56 @@ def verify(data_dir: str | Path) -> list[str]:
     return problems
 
 
+def check_dataset(data_dir: str | Path, world_size: int, digests: dict[str, str] | None = None) -> list[str]:
+    """What would make a run fail later, found before step 0; one line per problem, each with the fix.
+
+    Only facts that are the same on every rank are used (the ranks have already agreed on the
+    files' hashes), so every rank reaches the same verdict and can exit without a collective:
+    the manifest is readable; each file matches its manifest sha256 (`digests`: name -> sha256,
+    already computed for the fingerprint) and is a readable parquet file with rows; each split
+    has at least one row group per rank.
+    """
+    data_dir = Path(data_dir)
+    fix = "fix: re-run site.yml to push the dataset again, or re-prepare it"
+    try:
+        manifest = read_manifest(data_dir)
+        entries = [(e["file"], e["sha256"], e.get("rows")) for e in manifest["files"]]
+        val_file = manifest["val_file"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return [f"{data_dir / MANIFEST}: unreadable ({type(e).__name__}: {e}); {fix}"]
+    problems, groups = [], {}
+    for name, sha, rows in entries:
+        path = data_dir / name
+        if not path.is_file():
+            problems.append(f"{path}: listed in {MANIFEST} but missing; {fix}")
+            continue
+        found = (digests or {}).get(name)
+        if found is not None and found != sha:
+            problems.append(f"{path}: sha256 {found[:16]} does not match {MANIFEST} ({sha[:16]}): the file "
+                            f"changed after the dataset was written; {fix}")
+            continue
+        try:
+            meta = pq.read_metadata(path)
+        except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad footer
+            problems.append(f"{path}: not a readable parquet file ({type(e).__name__}: {e}); {fix}")
+            continue
+        if meta.num_rows == 0:
+            problems.append(f"{path}: empty shard (0 rows); every shard must hold documents; {fix}")
+        elif rows is not None and meta.num_rows != rows:
+            problems.append(f"{path}: {meta.num_rows} rows, {MANIFEST} says {rows}; {fix}")
+        groups[name] = meta.num_row_groups
+    if problems:
+        return problems
+    for split in ("train", "val"):
+        have = sum(groups[n] for n in split_files(manifest, split))
+        if have < world_size:
+            files = val_file if split == "val" else f"{len(entries) - 1} train shard(s)"
+            problems.append(f"{data_dir}: the {split} split ({files}) has {have} row group(s), fewer than the "
+                            f"{world_size} ranks (each rank reads whole row groups): re-prepare it with a "
+                            f"smaller --rows-per-group or more documents")
+    return problems
+
+
 # -----------------------------------------------------------------------------
 # The token loader
 

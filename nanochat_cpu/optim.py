@@ -80,10 +80,13 @@ class Group:
 
 class MuonAdamW:
     def __init__(self, groups: list[Group], rank: int = 0, world_size: int = 1,
-                 muon_dtype: torch.dtype = torch.float32):
+                 muon_dtype: torch.dtype = torch.float32, comm_dtype: torch.dtype = torch.float32):
         self.groups = groups
         self.rank, self.world_size = rank, world_size
         self.muon_dtype = muon_dtype
+        # Gradients may travel in bf16 (half the bytes on a slow link); parameters always travel
+        # in fp32, so every rank holds bit-identical weights.
+        self.comm_dtype = comm_dtype
         self.step_count = 0
         self.last_comm_wait = 0.0  # seconds the last step spent blocked on communication
         for g in groups:
@@ -203,7 +206,7 @@ class MuonAdamW:
             return
         pending = []
         for g in self.groups:
-            grads = self._flat_grads(g)
+            grads = self._flat_grads(g).to(self.comm_dtype)
             out = torch.empty_like(grads[: g.shard])
             work = reduce_scatter(out, grads, op=dist.ReduceOp.SUM, async_op=True)
             pending.append((g, out, work))
@@ -214,7 +217,7 @@ class MuonAdamW:
             work.wait()
             waited += time.perf_counter() - t0
             mine = self._my_param_slice(g)
-            self._update_slice(g, mine, grad_slice)
+            self._update_slice(g, mine, grad_slice.to(mine.dtype))
             gathered = torch.empty((g.shard * self.world_size, *mine.shape[1:]), dtype=mine.dtype,
                                    device=mine.device)
             gathers.append((g, gathered, all_gather(gathered, mine, async_op=True)))
@@ -257,7 +260,8 @@ class MuonAdamW:
             g.state = {k: v.clone() for k, v in sd["groups"][g.name].items()}
 
 
-def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dtype) -> MuonAdamW:
+def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dtype,
+                    comm_dtype: torch.dtype = torch.float32) -> MuonAdamW:
     from .model import parameter_groups
 
     groups = parameter_groups(model)
@@ -274,4 +278,4 @@ def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dt
         by_shape.setdefault(tuple(p.shape), []).append(p)
     muon = [Group("muon", f"matrix_{'x'.join(map(str, shape))}", ps, lr=cfg.matrix_lr,
                   weight_decay=cfg.weight_decay) for shape, ps in sorted(by_shape.items())]
-    return MuonAdamW([g for g in adamw if g.params] + muon, rank, world_size, muon_dtype)
+    return MuonAdamW([g for g in adamw if g.params] + muon, rank, world_size, muon_dtype, comm_dtype)

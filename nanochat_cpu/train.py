@@ -28,11 +28,12 @@ from .config import (
     config_hash,
     explicit_rank_batch_sizes,
     grad_accum_steps,
+    host_problems,
     parse_config,
     validate,
     world_size_from_env,
 )
-from .data import TokenLoader
+from .data import TokenLoader, check_dataset
 from .dist import (
     EXIT_CONFIG,
     EXIT_MISMATCH,
@@ -229,7 +230,14 @@ def save_checkpoint(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW, 
     rank_state = {"step": step, "optimizer": opt.state_dict(), "loader": loader.state_dict(),
                   "rng": torch.get_rng_state(), "extra": extra}
     model_state = model.state_dict() if env.local_rank == 0 else None
-    checkpoint.save_rank_files(cfg.out_dir, step, env.rank, env.local_rank, model_state, rank_state)
+    try:
+        checkpoint.save_rank_files(cfg.out_dir, step, env.rank, env.local_rank, model_state, rank_state)
+    except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
+        done = checkpoint.complete_steps(cfg.out_dir, env.rank)
+        fail(env, EXIT_CONFIG, f"cannot write checkpoint step {step} under {cfg.out_dir}: {type(exc).__name__}: "
+                               f"{exc}. Earlier checkpoints are untouched (newest complete: "
+                               f"{done[-1] if done else 'none'}). Fix: free space on {env.host} or move "
+                               f"--out-dir, then restart: the run resumes from there")
     if env.distributed:
         with watchdog.phase("barrier checkpoint", step):
             dist.barrier()
@@ -279,18 +287,31 @@ def run(cfg: TrainConfig) -> None:
     compiled, compile_why = resolve_compile(cfg)
     torch.manual_seed(cfg.seed)
 
+    problems = host_problems(cfg)
+    tokenizer = None
+    if not problems:
+        try:
+            tokenizer = Tokenizer.load(cfg.tokenizer_dir)
+        except Exception as exc:  # noqa: BLE001 - any load failure is a config error for the user
+            problems.append(f"--tokenizer-dir={cfg.tokenizer_dir}: cannot load tokenizer.json: {exc}")
+    if problems and world_size == 1:
+        fail(None, EXIT_CONFIG, " | ".join(problems))
+
     try:
         env = init_distributed(cfg.device, cfg.collective_timeout)
     except RuntimeError as exc:
         fail(None, EXIT_CONFIG, str(exc))
     watchdog = Watchdog(env, cfg.collective_timeout + 30)
     banner(env, cfg, dtype_why, muon_why, compile_why, ctx_dtype, muon_dtype, compiled)
+    if env.distributed:  # every rank stops if any host lacks its inputs, each naming that host
+        everyone: list[list[str] | None] = [None] * env.world_size
+        with watchdog.phase("all_gather input check", 0):
+            dist.all_gather_object(everyone, problems)
+        problems = [f"rank {r}@{env.hosts[r]}: {p}" for r, ps in enumerate(everyone) for p in ps or []]
+        if problems:
+            fail(env, EXIT_CONFIG, "bad inputs, no rank starts: " + " | ".join(problems))
 
     # fingerprint before anything that could block on uneven work
-    try:
-        tokenizer = Tokenizer.load(cfg.tokenizer_dir)
-    except Exception as exc:  # noqa: BLE001 - any load failure is a config error for the user
-        fail(env, EXIT_CONFIG, f"--tokenizer-dir={cfg.tokenizer_dir}: cannot load tokenizer.json: {exc}")
     mine = fingerprint.compute(env.host, cfg.data_dir, cfg.tokenizer_dir, config_hash(cfg),
                                os.path.join(cfg.out_dir, ".hash-cache.json") if env.local_rank == 0 else None)
     prints = [mine]
@@ -307,13 +328,26 @@ def run(cfg: TrainConfig) -> None:
         fail(env, EXIT_CONFIG, f"missing input files {missing} (fix: re-run site.yml to push the dataset)")
     log(env, f"fingerprint agreed across {env.world_size} rank(s): {len(mine.files)} files, "
              f"config {mine.config[:12]}")
+    # The ranks now hold identical files, so each reaches the same verdict on them without a
+    # collective: a bad shard stops every rank here, not one rank mid-run with the others waiting.
+    digests = {name.removeprefix("data/"): d for name, d in mine.files.items() if name.startswith("data/")}
+    problems = check_dataset(cfg.data_dir, env.world_size, digests)
+    if problems:
+        fail(env, EXIT_CONFIG, f"--data-dir={cfg.data_dir}: " + " | ".join(problems))
+    try:
+        token_bytes = tokenizer.token_bytes().to(env.device)
+    except ValueError as exc:
+        fail(env, EXIT_CONFIG, f"--tokenizer-dir={cfg.tokenizer_dir}: {exc} (fix: train one with "
+                               f"`python -m nanochat_cpu.tokenizer train` and re-run site.yml)")
+    tokenizer_sha = mine.files["tokenizer/tokenizer.json"]
 
     mcfg = model_config_from(cfg.depth, cfg.aspect_ratio, cfg.head_dim, tokenizer.vocab_size, cfg.max_seq_len,
                              cfg.window_pattern)
     model = GPT(mcfg)
     model.init_weights(cfg.seed)
     model.to(env.device)
-    opt = build_optimizer(model, cfg, env.rank, env.world_size, muon_dtype)
+    comm_dtype = torch.bfloat16 if cfg.grad_comm_dtype == "bfloat16" else torch.float32
+    opt = build_optimizer(model, cfg, env.rank, env.world_size, muon_dtype, comm_dtype)
     fpt = flops_per_token(model)
     if env.master:
         parts = parameter_breakdown(model)
@@ -326,8 +360,26 @@ def run(cfg: TrainConfig) -> None:
     start_step, loader_state, extra = 0, None, {}
     resume_step = agree_on_resume_step(cfg, env)
     if resume_step is not None:
-        model.load_state_dict(checkpoint.load_model_state(cfg.out_dir, resume_step, env.device))
-        rank_state = checkpoint.load_rank_state(cfg.out_dir, resume_step, env.rank)
+        where = checkpoint.step_dir(cfg.out_dir, resume_step)
+        afresh = "start afresh with another --run-name / --out-dir (or --resume never)"
+        fix = f"resume from an older checkpoint by deleting {where}, or {afresh}"
+        try:
+            rank_state = checkpoint.load_rank_state(cfg.out_dir, resume_step, env.rank)
+            model_state = checkpoint.load_model_state(cfg.out_dir, resume_step, env.device)
+        except Exception as exc:  # noqa: BLE001 - unreadable file: name it instead of a traceback
+            fail(env, EXIT_CONFIG, f"checkpoint {where} is unreadable ({type(exc).__name__}: {exc}); {fix}")
+        saved = rank_state.get("extra", {})
+        if saved.get("tokenizer_sha256", tokenizer_sha) != tokenizer_sha:
+            fail(env, EXIT_CONFIG,
+                 f"checkpoint {where} was trained with another tokenizer (sha256 {saved['tokenizer_sha256'][:16]}, "
+                 f"vocab {saved.get('vocab_size', '?')}) than --tokenizer-dir={cfg.tokenizer_dir} "
+                 f"(sha256 {tokenizer_sha[:16]}, vocab {tokenizer.vocab_size}): its token ids mean other "
+                 f"strings. Fix: push the run's original tokenizer again (site.yml), or {afresh}")
+        try:
+            model.load_state_dict(model_state)
+        except RuntimeError as exc:
+            fail(env, EXIT_CONFIG, f"checkpoint {where} does not fit this model (depth {cfg.depth}, vocab "
+                                   f"{tokenizer.vocab_size}): {str(exc).splitlines()[-1].strip()}; {fix}")
         try:
             opt.load_state_dict(rank_state["optimizer"])
         except ValueError as exc:
@@ -347,7 +399,6 @@ def run(cfg: TrainConfig) -> None:
     loader = TokenLoader(cfg.data_dir, tokenizer, "train", sizes[env.rank], cfg.max_seq_len, env.rank,
                          env.world_size, state=loader_state)
     batches = iter(loader)
-    token_bytes = tokenizer.token_bytes().to(env.device)
     peak = measure_matmul_peak(env.device, ctx_dtype)
     tracker = Tracker(cfg, env, extra.get("mlflow_run_id"))
     tracker.log_params({**dataclasses.asdict(cfg), "world_size": env.world_size, "flops_per_token": fpt,
@@ -365,7 +416,13 @@ def run(cfg: TrainConfig) -> None:
         t0 = time.perf_counter()
         loss_sum = 0.0
         for _ in range(accum):
-            x, y = next(batches)
+            try:
+                x, y = next(batches)
+            except Exception as exc:  # noqa: BLE001 - a shard unreadable mid-run: name it, not a traceback
+                fail(env, EXIT_CONFIG, f"reading --data-dir={cfg.data_dir} failed at step {step + 1} "
+                                       f"(loader position {loader.state_dict()}): {type(exc).__name__}: {exc}. "
+                                       f"Fix: `python -m nanochat_cpu.data verify --data-dir {cfg.data_dir}`, "
+                                       f"then re-run site.yml")
             x, y = x.to(env.device), y.to(env.device)
             with ctx:
                 loss = train_model(x, y)
@@ -377,7 +434,7 @@ def run(cfg: TrainConfig) -> None:
             g.lr_multiplier = mult
             if g.kind == "muon":
                 g.momentum = muon_momentum(step)
-        with watchdog.phase("optimizer reduce-scatter/all-gather", step):
+        with watchdog.phase("optimizer reduce-scatter/all-gather", step + 1):  # the step being computed
             opt.step()
         opt.zero_grad()
         step += 1
@@ -414,7 +471,8 @@ def run(cfg: TrainConfig) -> None:
             model.train()
             log(env, f"sample step {step:05d}: {prompt}{tokenizer.decode(out)!r}")
         if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last:
-            extra = {"mlflow_run_id": tracker.run_id, "rank_batch_sizes": sizes}
+            extra = {"mlflow_run_id": tracker.run_id, "rank_batch_sizes": sizes, "tokenizer_sha256": tokenizer_sha,
+                     "vocab_size": tokenizer.vocab_size}
             save_checkpoint(cfg, env, model, opt, loader, step, watchdog, extra)
             tracker.flush()
 

@@ -51,7 +51,8 @@ def step(out: str, split: str | None) -> None:
     env = setup()
     torch.manual_seed(0)
     model = make_model()
-    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), env.rank, env.world_size, torch.float32)
+    comm = torch.bfloat16 if os.environ.get("GRAD_COMM_DTYPE") == "bfloat16" else torch.float32
+    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), env.rank, env.world_size, torch.float32, comm)
     # Adam's eps=1e-10 turns gradients of ~1e-12 (summed in another order on N ranks) into
     # full-size steps of either sign; a larger eps keeps the comparison about the sharding.
     for g in opt.groups:

@@ -30,9 +30,11 @@ def torchrun_cmd(nproc: int, port: int, target: list[str], nnodes: int = 1, node
             f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}", *target]
 
 
-def run_torchrun(nproc: int, target: list[str], timeout: float = 240, **kw) -> subprocess.CompletedProcess:
-    return subprocess.run(torchrun_cmd(nproc, free_port(), target), env=node_env(), capture_output=True,
-                          text=True, timeout=timeout, cwd=REPO, **kw)
+def run_torchrun(nproc: int, target: list[str], timeout: float = 240, env_extra: dict[str, str] | None = None,
+                 ) -> subprocess.CompletedProcess:
+    env = {**node_env(), **(env_extra or {})}
+    return subprocess.run(torchrun_cmd(nproc, free_port(), target), env=env, capture_output=True,
+                          text=True, timeout=timeout, cwd=REPO)
 
 
 def spawn_node(nnodes: int, node_rank: int, port: int, target: list[str], nproc: int = 1) -> subprocess.Popen:

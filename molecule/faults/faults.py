@@ -1,0 +1,517 @@
+#!/usr/bin/env python3
+"""Inject the faults of issue 5 into a provisioned local cluster and measure what happens.
+
+    faults.py --inventory molecule/faults/inventory --report build/faults.json CASE [CASE ...]
+
+Cases (molecule/faults/verify.yml runs them in this order; each can run alone on a cluster that
+site.yml has converged):
+
+  node-loss   one run, four faults in turn: train.yml again while it runs (refused, the run
+              goes on), SIGKILL of a worker's trainer, a worker container stopped for 60 s, SIGKILL
+              of the master's trainer. After each: the survivors exit, systemd restarts the
+              units, the run resumes from the last complete checkpoint (steps lost <= the
+              checkpoint interval), its losses repeat the ones computed before the fault (the
+              curve goes on, no reset to ln(vocab)), and in the end it reaches its final step.
+  drift       one node's shard modified after site.yml: train.yml stops in the preflight naming
+              the host and file, no unit starts; the units started by hand anyway exit on every
+              node with the fingerprint message.
+  network     a worker's train_interface wrong, another's an interface with only IPv6, and ufw
+              on a worker dropping the Gloo range: each stopped by the preflight naming the host,
+              the interface or port, and the fix; no unit starts.
+
+Everything is read from the nodes' journals (timestamps are the host's clock: the containers
+share its kernel) and checkpoint directories. Each case appends its measurements to --report
+(JSON) and prints them; a failed expectation exits 1 naming it. Standard library + PyYAML (the
+controller's Ansible venv) only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+VOCAB = 4096  # the demo tokenizer (roles/dataset): a fresh model's loss is ln(4096) = 8.32
+# A tiny run: every fault case fits the CI budget on 2 cores.
+CHECKPOINT_EVERY = 10
+COLLECTIVE_TIMEOUT = 60
+RUN_VARS = {
+    "depth": 2, "max_seq_len": 64, "device_batch_size": 2, "eval_every": 0, "eval_tokens": 384,
+    "sample_every": 0, "checkpoint_every": CHECKPOINT_EVERY,
+    "train_extra_args": f"--collective-timeout {COLLECTIVE_TIMEOUT}",
+}
+TRAINER = "python3 -u -m nanochat_cpu.train"  # the worker's command line (torchrun's own differs)
+STEP = re.compile(r"\] step (\d+)/(\d+) loss=([0-9.]+|nan|inf)")
+
+
+class Failed(AssertionError):
+    pass
+
+
+def expect(ok: bool, what: str) -> None:
+    if not ok:
+        raise Failed(what)
+
+
+def log(msg: str) -> None:
+    print(f"[faults {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---- the cluster -----------------------------------------------------------------------------
+
+class Cluster:
+    def __init__(self, inventory: Path):
+        self.inventory = inventory
+        tree = yaml.safe_load((inventory / "hosts.yml").read_text())
+        groups = tree["all"]["children"]["cluster"]["children"]
+        self.master = next(iter(groups["master"]["hosts"]))
+        self.workers = list(groups["workers"]["hosts"])
+        self.nodes = [self.master, *self.workers]
+        self.hostvars = {**groups["master"]["hosts"], **groups["workers"]["hosts"]}
+        self.subnet = tree["all"]["vars"]["lan_subnet"]
+
+    def ct(self, node: str) -> str:
+        return self.hostvars[node]["ansible_host"]
+
+    def sh(self, node: str, cmd: str, check: bool = True, timeout: float = 120) -> str:
+        proc = subprocess.run(["podman", "exec", self.ct(node), "bash", "-c", cmd], capture_output=True, text=True,
+                              timeout=timeout)
+        if check and proc.returncode != 0:
+            raise Failed(f"{node}: `{cmd}` exited {proc.returncode}: {proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+        return proc.stdout
+
+    def journal(self, node: str, unit: str, since: float = 0.0) -> list[tuple[float, str]]:
+        """(time, message) of the unit's journal: the trainer's lines and systemd's about it."""
+        out = self.sh(node, f"journalctl -u {unit} -o json --no-pager --since @{since:.6f} "
+                            "--output-fields=MESSAGE,__REALTIME_TIMESTAMP", check=False)
+        lines = []
+        for raw in out.splitlines():
+            try:
+                entry = json.loads(raw)
+            except ValueError:
+                continue
+            msg = entry.get("MESSAGE", "")
+            if isinstance(msg, list):
+                msg = bytes(msg).decode("utf-8", "replace")
+            lines.append((int(entry["__REALTIME_TIMESTAMP"]) / 1e6, msg))
+        return lines
+
+    def unit(self, node: str, unit: str) -> dict[str, str]:
+        out = self.sh(node, f"systemctl show {unit} -p ActiveState -p SubState -p NRestarts -p InvocationID "
+                            "-p MainPID -p UnitFileState -p Result", check=False)
+        return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+    def trainers(self, node: str) -> list[int]:
+        out = self.sh(node, f"pgrep -f '^/opt/nanochat/venv/bin/{TRAINER} ' || true")
+        return [int(p) for p in out.split()]
+
+    def playbook(self, name: str, run_vars: dict, *extra: str, extra_inventory: Path | None = None,
+                 timeout: float = 900) -> tuple[int, str, float]:
+        cmd = [str(Path(sys.executable).parent / "ansible-playbook"), "-i", str(self.inventory)]
+        if extra_inventory:
+            cmd += ["-i", str(extra_inventory)]
+        cmd += ["-e", json.dumps(run_vars)]  # JSON: values with spaces stay one value
+        cmd += [*extra, name]
+        env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_FORCE_COLOR="false")
+        env.pop("ANSIBLE_CALLBACKS_ENABLED", None)  # molecule's profile_tasks: not needed here
+        t0 = time.time()
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+        return proc.returncode, proc.stdout + proc.stderr, time.time() - t0
+
+
+def wait_for(what: str, probe, timeout: float, every: float = 2.0):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        got = probe()
+        if got:
+            return got
+        time.sleep(every)
+    raise Failed(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def first(lines: list[tuple[float, str]], pattern: str, after: float = 0.0) -> tuple[float, str] | None:
+    rx = re.compile(pattern)
+    return next(((t, m) for t, m in lines if t >= after and rx.search(m)), None)
+
+
+def steps(lines: list[tuple[float, str]], after: float = 0.0,
+          before: float = math.inf) -> list[tuple[float, int, float]]:
+    """(time, step, loss) of the master's step lines in [after, before)."""
+    out = []
+    for t, m in lines:
+        if after <= t < before and (hit := STEP.search(m)):
+            out.append((t, int(hit.group(1)), float(hit.group(3))))
+    return out
+
+
+def show_train_failure(out: str) -> str:
+    """The lines of an ansible-playbook run that say why it failed."""
+    keep = [ln for ln in out.splitlines() if re.search(r"fatal:|FAILED|msg:|assertion|=> \{|failed=[1-9]", ln)]
+    return "\n".join(keep[-40:]) or out[-3000:]
+
+
+# ---- node loss -----------------------------------------------------------------------------
+
+def resume_after(c: Cluster, unit: str, t0: float, killed: str | None, timeout: float) -> dict:
+    """Wait until the run trains again after a fault injected at t0; measure each phase."""
+    survivors = [n for n in c.nodes if n != killed]
+    wait_for("the survivors to exit", lambda: all(
+        first(c.journal(n, unit, t0), r"FATAL|Main process exited|Failed with result") for n in survivors),
+        timeout=COLLECTIVE_TIMEOUT + 60)
+    master = c.master
+
+    def resumed():
+        lines = c.journal(master, unit, t0)
+        hit = first(lines, r"resumed from checkpoint step \d+")
+        if hit and steps(lines, after=hit[0]):
+            return lines
+        return None
+
+    lines = wait_for("the run to resume and train a step", resumed, timeout=timeout, every=3)
+    t_res, msg = first(lines, r"resumed from checkpoint step \d+")
+    resumed_step = int(re.search(r"step (\d+)", msg).group(1))
+    t_step, step1, loss1 = steps(lines, after=t_res)[0]
+    m = {"resumed_from": resumed_step, "resume_s": round(t_res - t0, 1), "first_step_s": round(t_step - t0, 1),
+         "first_loss_after": loss1}
+    for n in c.nodes:
+        j = c.journal(n, unit, t0)
+        fatal = first(j, r"FATAL")
+        exited = first(j, r"Main process exited|Failed with result|Deactivated|Stopped")
+        started = first(j, r"Started nanochat-train")
+        m[n] = {"fatal_s": round(fatal[0] - t0, 1) if fatal else None,
+                "fatal": fatal[1][:300] if fatal else None,
+                "exit_s": round(exited[0] - t0, 1) if exited else None,
+                "restart_s": round(started[0] - t0, 1) if started else None,
+                "restarts": int(c.unit(n, unit).get("NRestarts", "0") or 0)}
+    return m
+
+
+def check_resume(c: Cluster, unit: str, t0: float, m: dict, killed: str | None) -> None:
+    lines = c.journal(c.master, unit)
+    before = {s: loss for _, s, loss in steps(lines, before=t0)}
+    last_before = max(before)
+    m["last_step_before"] = last_before
+    m["steps_lost"] = last_before - m["resumed_from"]
+    expect(m["resumed_from"] % CHECKPOINT_EVERY == 0, f"resumed from step {m['resumed_from']}, not a checkpoint")
+    expect(0 <= m["steps_lost"] <= CHECKPOINT_EVERY,
+           f"lost {m['steps_lost']} steps (last step {last_before}, resumed from {m['resumed_from']}), "
+           f"more than --checkpoint-every {CHECKPOINT_EVERY}")
+    for n in c.nodes:
+        if n == killed:
+            continue
+        fatal = m[n]["fatal_s"]
+        expect(fatal is not None or m[n]["exit_s"] is not None, f"{n} did not exit after the fault")
+        bound = COLLECTIVE_TIMEOUT + 30
+        expect((fatal or m[n]["exit_s"]) <= bound, f"{n} took {fatal}s to give up (bound {bound}s: "
+               f"--collective-timeout {COLLECTIVE_TIMEOUT} + 30)")
+    # the resumed run recomputes the lost steps: the same losses (same data, RNG, optimizer
+    # state) prove it continued the curve from the checkpoint instead of starting over
+    after = {s: loss for _, s, loss in steps(lines, after=t0)}
+    redone = [s for s in range(m["resumed_from"] + 1, last_before + 1) if s in after and s in before]
+    m["max_loss_diff_redone"] = max((abs(after[s] - before[s]) for s in redone), default=0.0)
+    expect(m["max_loss_diff_redone"] < 1e-2, f"losses of the redone steps differ: "
+           f"{[(s, before[s], after[s]) for s in redone]}")
+    first_loss = m["first_loss_after"]
+    expect(first_loss < math.log(VOCAB) - 0.3 and first_loss < before[1] - 0.3,
+           f"loss after resume {first_loss} is back near the initial {before[1]} (ln {VOCAB} = {math.log(VOCAB):.2f})")
+
+
+def kill_trainer(c: Cluster, node: str, unit: str) -> float:
+    pid = c.unit(node, unit)["MainPID"]
+    workers = c.sh(node, f"pgrep -P {pid} -f nanochat_cpu.train").split()
+    expect(len(workers) == 1, f"{node}: expected one trainer under torchrun {pid}, found {workers}")
+    t0 = time.time()
+    c.sh(node, f"kill -9 {workers[0]}")
+    log(f"SIGKILL {node} trainer pid {workers[0]}")
+    return t0
+
+
+def last_step(c: Cluster, unit: str) -> int:
+    out = c.sh(c.master, f"journalctl -u {unit} -n 20 -o cat --no-pager", check=False)
+    found = [int(m.group(1)) for m in STEP.finditer(out)]
+    return found[-1] if found else 0
+
+
+def wait_step(c: Cluster, unit: str, at_least: int, timeout: float) -> int:
+    return wait_for(f"step {at_least}", lambda: (s := last_step(c, unit)) >= at_least and s, timeout, every=1)
+
+
+def wait_mid_interval(c: Cluster, unit: str, at_least: int, timeout: float = 300) -> int:
+    """A step >= at_least half way between two checkpoints: a fault there loses work."""
+    def probe():
+        s = last_step(c, unit)
+        return s if s >= at_least and 3 <= s % CHECKPOINT_EVERY <= CHECKPOINT_EVERY - 3 else None
+    return wait_for(f"a step >= {at_least} between checkpoints", probe, timeout, every=0.2)
+
+
+def clean_run(c: Cluster, run: str) -> None:
+    """Forget an earlier attempt of this case: units, start-limit counters, checkpoints."""
+    unit = f"nanochat-train@{run}.service"
+    for n in c.nodes:
+        c.sh(n, f"systemctl stop {unit}; systemctl reset-failed {unit}; rm -rf /var/lib/nanochat/runs/{run} "
+                f"/etc/nanochat/{run}.env", check=False)
+
+
+def case_node_loss(c: Cluster, report: dict) -> None:
+    run = "faults-loss"
+    unit = f"nanochat-train@{run}.service"
+    iters = 300
+    run_vars = {**RUN_VARS, "run_name": run, "num_iterations": iters}
+    clean_run(c, run)
+    t_start = time.time()
+    rc, out, took = c.playbook("train.yml", run_vars, "-e", "restart=true")
+    expect(rc == 0, f"train.yml failed:\n{show_train_failure(out)}")
+    log(f"train.yml started {run} in {took:.0f}s")
+    res = report.setdefault("node-loss", {})
+    res["train_yml_s"] = round(took, 1)
+    wait_step(c, unit, 3, timeout=300)
+    lines = steps(c.journal(c.master, unit, t_start))
+    res["train_yml_to_step1_s"] = round(lines[0][0] - t_start, 1)
+    res["step_s"] = round((lines[-1][0] - lines[0][0]) / max(1, lines[-1][1] - lines[0][1]), 2)
+
+    # --- 6: train.yml again while the run is active: refused, the run untouched
+    before = {n: (c.unit(n, unit)["InvocationID"], c.trainers(n)) for n in c.nodes}
+    rc, out, took = c.playbook("train.yml", run_vars)
+    expect(rc != 0, "a second train.yml during the run was not refused")
+    expect("A training run is active on" in out and "restart=true" in out,
+           f"the refusal does not name the run and the way out:\n{show_train_failure(out)}")
+    after = {n: (c.unit(n, unit)["InvocationID"], c.trainers(n)) for n in c.nodes}
+    expect(after == before, f"the refused train.yml changed the running units: {before} -> {after}")
+    expect(all(len(p) == 1 for _, p in after.values()), f"not exactly one trainer per node: {after}")
+    res["rerun_refused"] = {"seconds": round(took, 1),
+                            "message": next((ln.strip() for ln in out.splitlines() if "A training run is active" in ln),
+                                            "")[:400]}
+    log(f"second train.yml refused in {took:.0f}s; units untouched")
+
+    # --- 1: SIGKILL a worker's trainer
+    wait_mid_interval(c, unit, CHECKPOINT_EVERY)
+    worker = c.workers[0]
+    t0 = kill_trainer(c, worker, unit)
+    m = resume_after(c, unit, t0, worker, timeout=300)
+    check_resume(c, unit, t0, m, worker)
+    res["kill_worker"] = m
+    log(f"worker kill: {json.dumps(m)}")
+
+    # --- 2: stop a worker's container for 60 s
+    wait_mid_interval(c, unit, m["resumed_from"] + CHECKPOINT_EVERY)
+    t0 = time.time()
+    subprocess.run(["podman", "stop", c.ct(worker)], check=True, capture_output=True, timeout=120)
+    stopped_s = time.time() - t0
+    log(f"podman stop {c.ct(worker)} took {stopped_s:.1f}s")
+    time.sleep(max(0.0, 60 - (time.time() - t0)))
+    # while it is away: the survivors restart and wait for it in the rendezvous
+    away = {n: c.unit(n, unit) for n in c.nodes if n != worker}
+    subprocess.run(["podman", "start", c.ct(worker)], check=True, capture_output=True, timeout=120)
+    t_back = time.time()
+    c.sh(worker, "timeout 120 systemctl is-system-running --wait", check=False)
+    autostart = wait_active(c, worker, unit, 20)
+    m_extra = {"container_stop_s": round(stopped_s, 1), "back_after_s": round(t_back - t0, 1),
+               "unit_enabled": c.unit(worker, unit).get("UnitFileState"), "autostart": autostart,
+               "survivor_states_while_away": {n: f"{u['ActiveState']}/{u['SubState']} NRestarts={u['NRestarts']}"
+                                              for n, u in away.items()}}
+    if not autostart:
+        # nanochat-train@ is not enabled (no [Install], run_start does not enable it): after a reboot
+        # the node does not rejoin by itself. The operator's step, until the roles enable the unit:
+        log(f"WARNING: {worker}'s {unit} did not start at boot ({m_extra['unit_enabled']}); starting it by hand")
+        c.sh(worker, f"systemctl start {unit}")
+        m_extra["manual_start_s"] = round(time.time() - t0, 1)
+    m = resume_after(c, unit, t0, worker, timeout=420)
+    m.update(m_extra)
+    check_resume(c, unit, t0, m, worker)
+    res["stop_worker_60s"] = m
+    log(f"worker container stop: {json.dumps(m)}")
+
+    # --- 3: SIGKILL the master's trainer
+    wait_mid_interval(c, unit, m["resumed_from"] + CHECKPOINT_EVERY)
+    t0 = kill_trainer(c, c.master, unit)
+    m = resume_after(c, unit, t0, c.master, timeout=300)
+    check_resume(c, unit, t0, m, c.master)
+    res["kill_master"] = m
+    log(f"master kill: {json.dumps(m)}")
+
+    # --- the run finishes: every node done, units ended cleanly, the final checkpoint complete
+    def finished():
+        return all(first(c.journal(n, unit, t0), rf"done: {iters} steps") for n in c.nodes) and all(
+            c.unit(n, unit)["ActiveState"] in ("inactive", "failed") for n in c.nodes)
+    wait_for(f"every node to finish step {iters}", finished, timeout=600, every=3)
+    for n in c.nodes:
+        u = c.unit(n, unit)
+        expect(u["ActiveState"] == "inactive" and u["Result"] == "success", f"{n}: {unit} ended {u}")
+        ck = c.sh(n, f"cat /var/lib/nanochat/runs/{run}/checkpoints/step_{iters:06d}/COMPLETE", check=False)
+        expect(f'"step": {iters}' in ck, f"{n}: no complete checkpoint for step {iters}")
+        starts = len([1 for _, msg in c.journal(n, unit, t_start) if msg.startswith("Started nanochat-train")])
+        expect(starts <= 5, f"{n}: {starts} starts, StartLimitBurst is 5")
+        res.setdefault("final", {})[f"{n}_starts"] = starts
+    losses = steps(c.journal(c.master, unit))
+    res["final"].update(final_step=losses[-1][1], final_loss=losses[-1][2], initial_loss=losses[0][2],
+                        wall_s=round(losses[-1][0] - t_start, 1))
+    log(f"run finished: {json.dumps(res['final'])}")
+
+
+def wait_active(c: Cluster, node: str, unit: str, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if c.unit(node, unit).get("ActiveState") in ("active", "activating"):
+            return True
+        time.sleep(1)
+    return False
+
+
+# ---- data drift ------------------------------------------------------------------------------
+
+def case_drift(c: Cluster, report: dict) -> None:
+    run = "faults-drift"
+    unit = f"nanochat-train@{run}.service"
+    node = c.workers[-1]
+    shard = "/var/lib/nanochat/data/fortunes/shard_00001.parquet"
+    res = report.setdefault("drift", {})
+    c.sh(node, f"cp -p {shard} /root/shard.orig && printf drift >> {shard}")
+    try:
+        run_vars = {**RUN_VARS, "run_name": run, "num_iterations": 10}
+        rc, out, took = c.playbook("train.yml", run_vars)
+        expect(rc != 0, "train.yml started a run on drifted data")
+        msg = next((ln.strip() for ln in out.splitlines() if "data verify FAILED on" in ln), "")
+        expect(f"data verify FAILED on {node}: shard_00001.parquet" in out and "site.yml" in out,
+               f"the preflight did not name {node} and the file:\n{show_train_failure(out)}")
+        for n in c.nodes:
+            u = c.unit(n, unit)
+            expect(u.get("InvocationID", "") == "" and u.get("ActiveState") == "inactive",
+                   f"{n}: {unit} was started despite the failed preflight: {u}")
+        res["preflight"] = {"seconds": round(took, 1), "message": msg[:400]}
+        log(f"preflight stopped train.yml in {took:.0f}s: {msg[:200]}")
+
+        # started by hand anyway, with an env file like train.yml renders
+        src = next(iter(c.sh(c.master, "ls /etc/nanochat/*.env").split()), "")
+        expect(src != "", "no env file to copy (run the node-loss case first)")
+        old = Path(src).stem
+        for n in c.nodes:
+            c.sh(n, f"sed 's/{old}/{run}/g' /etc/nanochat/{old}.env > /etc/nanochat/{run}.env && "
+                    f"chgrp nanochat /etc/nanochat/{run}.env && chmod 0640 /etc/nanochat/{run}.env")
+        t0 = time.time()
+        threads = [threading.Thread(target=c.sh, args=(n, f"systemctl start {unit}")) for n in c.nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+        def all_fatal():
+            got = {n: first(c.journal(n, unit, t0), r"FATAL") for n in c.nodes}
+            return got if all(got.values()) else None
+        fatal = wait_for("every rank's fingerprint message", all_fatal, timeout=240)
+        for n in c.nodes:
+            c.sh(n, f"systemctl stop {unit}; systemctl reset-failed {unit} || true")
+        res["by_hand"] = {}
+        for n, (t, m) in fatal.items():
+            expect("run fingerprint mismatch" in m and "file data/shard_00001.parquet" in m and f"{node} has" in m,
+                   f"{n}: not the fingerprint message: {m}")
+            j = c.journal(n, unit, t0)
+            banner = first(j, r"\] nanochat_cpu ")
+            res["by_hand"][n] = {"fatal_s": round(t - t0, 1),
+                                 "after_banner_s": round(t - banner[0], 1) if banner else None}
+            expect(banner is None or t - banner[0] < 30, f"{n}: {t - banner[0]:.0f}s from start to the message")
+        res["by_hand"]["message"] = fatal[c.master][1][:500]
+        log(f"units started by hand: {json.dumps(res['by_hand'])}")
+    finally:
+        c.sh(node, f"cp -p /root/shard.orig {shard}", check=False)
+        for n in c.nodes:
+            c.sh(n, f"systemctl stop {unit}; systemctl reset-failed {unit}; rm -f /etc/nanochat/{run}.env", check=False)
+
+
+# ---- network misconfiguration ----------------------------------------------------------------
+
+def case_network(c: Cluster, report: dict, workdir: Path) -> None:
+    run = "faults-net"
+    unit = f"nanochat-train@{run}.service"
+    run_vars = {**RUN_VARS, "run_name": run, "num_iterations": 10}
+    res = report.setdefault("network", {})
+    wrong_if, v6_node = c.workers[0], c.workers[-1]
+    # an interface with only an IPv6 address (one end of a veth pair), chosen as train_interface
+    c.sh(v6_node, "ip link add v6only type veth peer name v6peer && ip -6 addr add fd77::12/64 dev v6only "
+                  "nodad && ip link set v6only up && ip link set v6peer up")
+    override = workdir / "faults-wrong-interfaces.yml"
+    override.write_text(yaml.safe_dump({"all": {"hosts": {wrong_if: {"train_interface": "eth7"},
+                                                          v6_node: {"train_interface": "v6only"}}}}))
+    try:
+        rc, out, took = c.playbook("train.yml", run_vars, extra_inventory=override)
+        expect(rc != 0, "train.yml started with wrong interfaces")
+        msgs = {
+            "wrong_interface": f"{wrong_if}: train_interface 'eth7' does not exist",
+            "ipv6_only": f"{v6_node}: train_interface 'v6only' has no IPv4 address in lan_subnet",
+        }
+        for key, want in msgs.items():
+            line = next((ln.strip() for ln in out.splitlines() if want in ln), "")
+            expect(line != "", f"the preflight did not say {want!r}:\n{show_train_failure(out)}")
+            expect("Fix:" in line, f"no fix in: {line}")
+            res[key] = {"seconds": round(took, 1), "message": line[:400]}
+        log(f"wrong interfaces stopped in {took:.0f}s")
+    finally:
+        c.sh(v6_node, "ip link del v6only", check=False)
+        override.unlink(missing_ok=True)
+    for n in c.nodes:
+        expect(c.unit(n, unit).get("InvocationID", "") == "", f"{n}: {unit} started despite the preflight")
+
+    # ufw on a worker drops the Gloo range
+    node = c.workers[-1]
+    gmin, gmax = 40000, 40999
+    rule = f"proto tcp from {c.subnet} to any port {gmin}:{gmax}"
+    c.sh(node, f"ufw delete allow {rule}")
+    try:
+        rc, out, took = c.playbook("train.yml", run_vars)
+        expect(rc != 0, "train.yml started with the Gloo range blocked")
+        line = next((ln.strip() for ln in out.splitlines() if f"cannot reach {node}" in ln and "Gloo range" in ln), "")
+        expect(line != "" and f"Check ufw on {node}" in line,
+               f"the preflight did not name {node}'s blocked Gloo port:\n{show_train_failure(out)}")
+        res["ufw_gloo_blocked"] = {"seconds": round(took, 1), "message": line[:400]}
+        log(f"blocked Gloo range stopped in {took:.0f}s: {line[:200]}")
+    finally:
+        c.sh(node, f"ufw allow {rule} comment 'nanochat gloo'", check=False)
+    for n in c.nodes:
+        expect(c.unit(n, unit).get("InvocationID", "") == "", f"{n}: {unit} started despite the preflight")
+
+
+# ---- main ------------------------------------------------------------------------------------
+
+CASES = {"node-loss": case_node_loss, "drift": case_drift, "network": case_network}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--inventory", type=Path, required=True)
+    p.add_argument("--report", type=Path, required=True, help="JSON file the measurements are merged into")
+    p.add_argument("cases", nargs="+", choices=sorted(CASES))
+    args = p.parse_args()
+    c = Cluster(args.inventory)
+    report = json.loads(args.report.read_text()) if args.report.exists() else {}
+    status = 0
+    for name in args.cases:
+        t0 = time.time()
+        log(f"case {name}")
+        try:
+            if name == "network":
+                case_network(c, report, args.report.parent)
+            else:
+                CASES[name](c, report)
+            report.setdefault(name, {})["case_s"] = round(time.time() - t0, 1)
+            log(f"case {name} passed in {time.time() - t0:.0f}s")
+        except Failed as exc:
+            report.setdefault(name, {})["failed"] = str(exc)[:2000]
+            log(f"case {name} FAILED: {exc}")
+            status = 1
+        finally:
+            args.report.parent.mkdir(parents=True, exist_ok=True)
+            args.report.write_text(json.dumps(report, indent=1) + "\n")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,65 @@
+"""The trainer with one checkpoint write sabotaged, for the fault tests (tests/test_faults_trainer.py).
+
+    FAULT_RANK=0 FAULT_STEP=8 FAULT_FILE=model.pt FAULT_MODE=kill python tests/fault_train.py [train flags]
+
+When rank FAULT_RANK writes FAULT_FILE of checkpoint step FAULT_STEP:
+  kill    half of the file's bytes reach its temporary file, then the process SIGKILLs itself:
+          a crash or power loss in the middle of a checkpoint, at a known point;
+  enospc  the real write path runs and the disk "fills up" half way (OSError ENOSPC).
+Everything else is the real trainer.
+"""
+
+import errno
+import io
+import os
+import signal
+
+import torch
+
+from nanochat_cpu import checkpoint
+
+_real_save = checkpoint.atomic_torch_save
+_target = (os.environ["FAULT_RANK"], f"step_{int(os.environ['FAULT_STEP']):06d}", os.environ["FAULT_FILE"])
+_mode = os.environ["FAULT_MODE"]
+
+
+def _half_then(obj, f, then) -> None:
+    buf = io.BytesIO()
+    _real_torch_save(obj, buf)
+    data = buf.getvalue()
+    f.write(data[: len(data) // 2])
+    f.flush()
+    os.fsync(f.fileno())
+    then()
+
+
+def _kill() -> None:
+    print(f"FAULT: SIGKILL while writing {_target}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _enospc() -> None:
+    print(f"FAULT: ENOSPC while writing {_target}", flush=True)
+    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+
+_real_torch_save = torch.save
+
+
+def sabotaged_save(obj, path: str) -> None:
+    here = (os.environ.get("RANK", "0"), os.path.basename(os.path.dirname(path)), os.path.basename(path))
+    if here != _target:
+        return _real_save(obj, path)
+    then = _kill if _mode == "kill" else _enospc
+    torch.save = lambda o, f: _half_then(o, f, then)  # the real atomic_torch_save around it
+    try:
+        return _real_save(obj, path)
+    finally:
+        torch.save = _real_torch_save
+
+
+checkpoint.atomic_torch_save = sabotaged_save
+
+from nanochat_cpu.train import main  # noqa: E402 - the patch must precede the import
+
+main()

@@ -1,0 +1,369 @@
+"""Faults injected into the trainer on real torchrun + Gloo processes on loopback (issue 5, part A).
+
+Each test breaks one thing a real cluster breaks — a checkpoint write cut short by SIGKILL or a
+full disk, a bad flag, an empty or corrupt shard, a tokenizer from another corpus, a foreign
+process on the master port — and asserts what the operator sees: one clear line naming the
+value and the fix, a non-zero exit on every rank within seconds (no rank left waiting in a
+collective), and the existing checkpoints unchanged. The container-cluster cases (node loss,
+data drift after site.yml, network misconfiguration) are molecule/faults.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from nanochat_cpu import checkpoint, config, data, tokenizer
+from tests.test_train_runs import finish, losses, tiny_flags, train_target
+from tests.torchrun_helpers import REPO, free_port, node_env, run_torchrun, spawn_node, torchrun_cmd
+
+FAULT_TRAIN = str(REPO / "tests" / "fault_train.py")
+# Two cold torch imports per node on a loaded 2-core machine, plus the failure itself.
+FAIL_FAST_S = 30
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """sha256 of every file under root: 'untouched' means this is unchanged."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def trainer_traceback(out: str) -> bool:
+    """A Python traceback through our code (torchrun's own ChildFailedError report is expected)."""
+    return re.search(r'File ".*nanochat_cpu/\w+\.py", line', out) is not None
+
+
+def rewrite_manifest_entry(data_dir: Path, name: str) -> None:
+    """Make manifest.json describe `name` as it is now (so only the content itself is bad)."""
+    manifest = json.loads((data_dir / "manifest.json").read_text())
+    raw = (data_dir / name).read_bytes()
+    for entry in manifest["files"]:
+        if entry["file"] == name:
+            entry.update(bytes=len(raw), sha256=hashlib.sha256(raw).hexdigest())
+            try:
+                entry["rows"] = pq.read_metadata(data_dir / name).num_rows
+            except Exception:  # noqa: BLE001 - garbage has no row count; keep the old one
+                pass
+    (data_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+
+
+def write_empty_shard(path: Path) -> None:
+    pq.write_table(pa.table({"text": pa.array([], pa.string())}), path)
+
+
+@pytest.fixture(scope="module")
+def trained_run(tiny_data_dir, tiny_tokenizer_dir, tmp_path_factory) -> tuple[Path, str]:
+    """A finished 2-rank run with complete checkpoints at steps 4, 8 and 12, and its output."""
+    out = tmp_path_factory.mktemp("trained") / "run"
+    proc = run_torchrun(2, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, out)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert checkpoint.complete_steps(str(out), 0) == [4, 8, 12]
+    return out, proc.stdout
+
+
+def copy_run(trained_run, dest: Path) -> tuple[Path, dict[str, str]]:
+    shutil.copytree(trained_run[0], dest)
+    return dest, tree_digest(dest / "checkpoints")
+
+
+def two_nodes_fail(flags_per_node: list[list[str]], timeout: float = 90) -> list[str]:
+    """Two 'nodes' (one torchrun each): both must exit non-zero on their own, within FAIL_FAST_S."""
+    port = free_port()
+    t0 = time.monotonic()
+    nodes = [spawn_node(2, rank, port, train_target(*flags)) for rank, flags in enumerate(flags_per_node)]
+    results = [finish(p, timeout=timeout) for p in nodes]
+    took = time.monotonic() - t0
+    for code, out, _ in results:
+        assert code != 0, out
+        assert "FATAL" in out and not trainer_traceback(out), out
+    assert took < FAIL_FAST_S, f"ranks took {took:.0f}s to give up:\n" + results[0][1]
+    return [out for _, out, _ in results]
+
+
+# ---- checkpoints cut short ---------------------------------------------------------------------
+
+def test_sigkill_mid_checkpoint_write_keeps_previous_and_resume_reaches_the_end(tiny_data_dir, tiny_tokenizer_dir,
+                                                                                tmp_path):
+    out = tmp_path / "run"
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, out)
+    env = node_env()
+    env.update(FAULT_RANK="0", FAULT_STEP="8", FAULT_FILE="model.pt", FAULT_MODE="kill")
+    killed = subprocess.run(torchrun_cmd(2, free_port(), [FAULT_TRAIN, *flags]), env=env, capture_output=True,
+                            text=True, timeout=240, cwd=REPO)
+    assert killed.returncode != 0 and "FAULT: SIGKILL while writing" in killed.stdout, killed.stdout
+    before = losses(killed.stdout)
+    assert max(before) == 8  # steps 1..8 ran; the kill came while step 8's checkpoint was written
+
+    # what the kill left: step 4 sealed, step 8 half-written (a partial temp file, no COMPLETE)
+    ck = out / "checkpoints"
+    assert checkpoint.complete_steps(str(out), 0) == checkpoint.complete_steps(str(out), 1) == [4]
+    partial = [p.name for p in (ck / "step_000008").iterdir()]
+    assert "COMPLETE" not in partial and any(n.startswith("model.pt.tmp.") for n in partial), partial
+    # a second, hand-made wreck newer than anything: truncated model.pt, no marker
+    wreck = ck / "step_000010"
+    wreck.mkdir()
+    (wreck / "model.pt").write_bytes((ck / "step_000004" / "model.pt").read_bytes()[:1000])
+    (wreck / "rank0.pt.tmp.999").write_bytes(b"\0" * 100)
+    for name in ("model.pt", "rank0.pt", "rank1.pt"):  # the previous checkpoint loads
+        torch.load(ck / "step_000004" / name, weights_only=False)
+
+    resumed = run_torchrun(2, train_target(*flags))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "resumed from checkpoint step 4" in resumed.stdout
+    after = losses(resumed.stdout)
+    assert sorted(after) == list(range(5, 13))
+    for step in range(5, 9):  # step 4's checkpoint reproduces what the killed run computed next
+        assert after[step] == pytest.approx(before[step], abs=1e-4), (step, after[step], before[step])
+    assert checkpoint.complete_steps(str(out), 0) == [4, 8, 12]
+    assert not wreck.exists()  # stale wrecks older than the newest complete checkpoint are pruned
+
+
+def test_disk_full_during_checkpoint_names_the_cause_and_keeps_previous(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    out = tmp_path / "run"
+    env = node_env()
+    env.update(FAULT_RANK="0", FAULT_STEP="8", FAULT_FILE="rank0.pt", FAULT_MODE="enospc")
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, FAULT_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, out)],
+                          env=env, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == config_exit(), proc.stdout + proc.stderr
+    assert time.monotonic() - t0 < FAIL_FAST_S
+    assert not trainer_traceback(proc.stderr), proc.stderr
+    assert "FATAL: cannot write checkpoint step 8 under" in proc.stdout
+    assert "No space left on device" in proc.stdout and "newest complete: 4" in proc.stdout
+    assert "free space on" in proc.stdout
+    assert checkpoint.complete_steps(str(out), 0) == [4]
+    # the partial temp file was removed (its space given back); step 4 is whole
+    assert not [p for p in (out / "checkpoints" / "step_000008").iterdir() if ".tmp." in p.name]
+    torch.load(out / "checkpoints" / "step_000004" / "model.pt", weights_only=True)
+
+
+def config_exit() -> int:
+    from nanochat_cpu.dist import EXIT_CONFIG
+    return EXIT_CONFIG
+
+
+# ---- bad flags -----------------------------------------------------------------------------------
+
+BAD_FLAGS = [
+    # (flags over tiny_flags, what the message must say)
+    ({"depth": "two"}, "argument --depth: invalid int value: 'two'"),
+    ({"matrix-lr": "fast"}, "argument --matrix-lr: invalid float value: 'fast'"),
+    ({"device": "gpu"}, "argument --device: invalid choice: 'gpu'"),
+    ({"depth": 0}, "--depth=0: must be a positive integer"),
+    ({"num-iterations": -5}, "--num-iterations=-5: must be a positive integer"),
+    ({"checkpoint-every": -1}, "--checkpoint-every=-1: must be >= 0"),
+    ({"keep-checkpoints": 0}, "--keep-checkpoints=0: must be a positive integer"),
+    ({"collective-timeout": 0}, "--collective-timeout=0.0: must be > 0 seconds"),
+    ({"collective-timeout": "nan"}, "--collective-timeout=nan: must be a finite number"),
+    ({"matrix-lr": "inf"}, "--matrix-lr=inf: must be a finite number"),
+    ({"embedding-lr": -0.1}, "--embedding-lr=-0.1: must be >= 0"),
+    ({"warmdown-ratio": 1.5}, "--warmdown-ratio=1.5: must be in [0, 1]"),
+    ({"window-pattern": "SXL"}, "--window-pattern='SXL': use only the letters S and L"),
+    ({"rank-batch-sizes": "6,x"}, "--rank-batch-sizes='6,x': expected integers like '6,2'"),
+    ({"rank-batch-sizes": "2,2,2"}, "--rank-batch-sizes='2,2,2': need 2 positive integers, one per rank"),
+    ({"total-batch-size": 300}, "Nearest valid --total-batch-size: 256 or 512"),
+    ({"seed": -1}, "--seed=-1: must be >= 0"),
+]
+
+
+@pytest.mark.parametrize(("over", "message"), BAD_FLAGS, ids=[m.split(":")[0] for _, m in BAD_FLAGS])
+def test_bad_flag_is_named_with_its_value(over, message, tiny_data_dir, tiny_tokenizer_dir, tmp_path, capsys):
+    """In-process: the parser and validate() every rank runs before rendezvous."""
+    argv = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / "run", **over)
+    try:
+        cfg = config.parse_config(argv)
+        config.validate(cfg, world_size=2)
+    except SystemExit as exc:  # argparse: type and choice errors, exit status 2
+        assert exc.code == 2
+        text = capsys.readouterr().err
+    except config.ConfigError as exc:
+        text = str(exc)
+    else:
+        pytest.fail(f"{over} was accepted")
+    assert message in text, text
+
+
+def test_missing_paths_and_unwritable_out_dir_are_named(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """Per-host paths: collected by every rank and exchanged right after rendezvous."""
+    for over, message in [
+        ({"data_dir": tmp_path / "nope"}, f"--data-dir={tmp_path / 'nope'}: no such directory (run site.yml"),
+        ({"tokenizer_dir": tmp_path / "nope"}, f"--tokenizer-dir={tmp_path / 'nope'}: no such directory"),
+        ({"out_dir": tiny_data_dir / "manifest.json" / "run"},
+         "/manifest.json/run: cannot create it (Not a directory)"),
+    ]:
+        paths = {"data_dir": tiny_data_dir, "tokenizer_dir": tiny_tokenizer_dir, "out_dir": tmp_path / "run", **over}
+        cfg = config.parse_config(tiny_flags(paths["data_dir"], paths["tokenizer_dir"], paths["out_dir"]))
+        config.validate(cfg, world_size=2)  # the flags themselves are fine
+        [problem] = config.host_problems(cfg)
+        assert message in problem, problem
+
+
+def test_bad_flag_stops_every_rank_before_rendezvous_and_touches_no_checkpoint(trained_run, tiny_data_dir,
+                                                                              tiny_tokenizer_dir, tmp_path):
+    runs = [copy_run(trained_run, tmp_path / f"node{r}") for r in range(2)]
+    outs = two_nodes_fail([tiny_flags(tiny_data_dir, tiny_tokenizer_dir, run, collective_timeout="nan")
+                           for run, _ in runs])
+    for out in outs:  # each node's own rank says it, before any rendezvous
+        assert "FATAL: --collective-timeout=nan: must be a finite number" in out, out
+        assert "fingerprint" not in out and "backend=" not in out
+    for run, digest in runs:
+        assert tree_digest(run / "checkpoints") == digest
+
+
+# ---- bad data -------------------------------------------------------------------------------
+
+def test_check_dataset_names_each_bad_file(tiny_data_dir, tmp_path):
+    ok = tmp_path / "ok"
+    shutil.copytree(tiny_data_dir, ok)
+    assert data.check_dataset(ok, world_size=2) == []
+
+    empty = tmp_path / "empty"
+    shutil.copytree(tiny_data_dir, empty)
+    write_empty_shard(empty / "shard_00003.parquet")
+    rewrite_manifest_entry(empty, "shard_00003.parquet")
+    [problem] = data.check_dataset(empty, world_size=2)
+    assert "shard_00003.parquet: empty shard (0 rows)" in problem and "re-run site.yml" in problem
+
+    garbage = tmp_path / "garbage"
+    shutil.copytree(tiny_data_dir, garbage)
+    (garbage / "shard_00002.parquet").write_bytes(os.urandom(4096))
+    rewrite_manifest_entry(garbage, "shard_00002.parquet")
+    [problem] = data.check_dataset(garbage, world_size=2)
+    assert "shard_00002.parquet: not a readable parquet file" in problem
+
+    drift = tmp_path / "drift"
+    shutil.copytree(tiny_data_dir, drift)
+    with open(drift / "shard_00001.parquet", "ab") as f:
+        f.write(b"drift")
+    digests = {n: data.sha256_file(drift / n) for n in ("shard_00001.parquet",)}
+    [problem] = data.check_dataset(drift, world_size=2, digests=digests)
+    assert "shard_00001.parquet: sha256" in problem and "does not match manifest.json" in problem
+
+    # the val split is one shard of 4 row groups: 5 ranks cannot each get one
+    [problem] = data.check_dataset(ok, world_size=5)
+    assert "the val split (shard_00007.parquet) has 4 row group(s), fewer than the 5 ranks" in problem
+
+
+def test_empty_and_corrupt_shards_stop_every_rank_with_the_file_names(trained_run, tiny_data_dir, tiny_tokenizer_dir,
+                                                                      tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_data_dir, bad)
+    write_empty_shard(bad / "shard_00001.parquet")
+    (bad / "shard_00002.parquet").write_bytes(os.urandom(4096))
+    for name in ("shard_00001.parquet", "shard_00002.parquet"):
+        rewrite_manifest_entry(bad, name)  # the manifest agrees: only the contents are bad
+    runs = [copy_run(trained_run, tmp_path / f"node{r}") for r in range(2)]
+    outs = two_nodes_fail([tiny_flags(bad, tiny_tokenizer_dir, run) for run, _ in runs])
+    for out in outs:
+        assert "fingerprint agreed" in out  # identical on both nodes: caught by the content check
+        assert "shard_00001.parquet: empty shard (0 rows)" in out
+        assert "shard_00002.parquet: not a readable parquet file" in out
+        assert "re-run site.yml" in out and "step 00013" not in out
+    for run, digest in runs:
+        assert tree_digest(run / "checkpoints") == digest
+
+
+def test_missing_data_dir_on_one_node_stops_both_naming_that_node(trained_run, tiny_data_dir, tiny_tokenizer_dir,
+                                                                   tmp_path):
+    """Node 1 has no data dir: it must not leave before rendezvous (node 0 would wait for it in
+    the rendezvous for the whole --collective-timeout); both stop together, naming node 1."""
+    runs = [copy_run(trained_run, tmp_path / f"node{r}") for r in range(2)]
+    outs = two_nodes_fail([tiny_flags(data, tiny_tokenizer_dir, run) for (run, _), data in
+                           zip(runs, [tiny_data_dir, tmp_path / "nope"], strict=True)])
+    for out in outs:
+        assert f"bad inputs, no rank starts: rank 1@{socket.gethostname()}: --data-dir={tmp_path / 'nope'}: " \
+               "no such directory (run site.yml to push it)" in out, out
+    for run, digest in runs:
+        assert tree_digest(run / "checkpoints") == digest
+
+
+# ---- tokenizers -----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def other_tokenizer_dir(tmp_path_factory) -> Path:
+    """A tokenizer trained on another corpus (made-up English sentences), vocab 300."""
+    from tests.conftest import english_like_docs
+    corpus = tmp_path_factory.mktemp("other_corpus")
+    data.write_shards(english_like_docs(400, seed=7), corpus, rows_per_group=50, groups_per_shard=2, val_docs=50,
+                      seed=1)
+    out = tmp_path_factory.mktemp("other_tokenizer")
+    tokenizer.train(corpus, 300, out)
+    return out
+
+
+def test_tokenizer_on_one_node_only_stops_both_with_the_fingerprint(trained_run, tiny_data_dir, tiny_tokenizer_dir,
+                                                                    other_tokenizer_dir, tmp_path):
+    runs = [copy_run(trained_run, tmp_path / f"node{r}") for r in range(2)]
+    outs = two_nodes_fail([tiny_flags(tiny_data_dir, tok, run) for (run, _), tok in
+                           zip(runs, [tiny_tokenizer_dir, other_tokenizer_dir], strict=True)])
+    for out in outs:
+        assert "run fingerprint mismatch" in out and "file tokenizer/tokenizer.json" in out
+        assert "re-run site.yml" in out
+    for run, digest in runs:
+        assert tree_digest(run / "checkpoints") == digest
+
+
+def test_resuming_with_another_tokenizer_is_refused_by_name(trained_run, tiny_data_dir, other_tokenizer_dir,
+                                                            tmp_path):
+    runs = [copy_run(trained_run, tmp_path / f"node{r}") for r in range(2)]
+    outs = two_nodes_fail([tiny_flags(tiny_data_dir, other_tokenizer_dir, run, num_iterations=16)
+                           for run, _ in runs])
+    for out in outs:
+        assert "checkpoint" in out and "step_000012 was trained with another tokenizer" in out, out
+        assert "vocab 512" in out and "vocab 300" in out and "--resume never" in out
+    for run, digest in runs:
+        assert tree_digest(run / "checkpoints") == digest
+
+
+def test_unusable_tokenizer_is_a_clear_error(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    raw = json.loads((tiny_tokenizer_dir / "tokenizer.json").read_text())
+    raw["added_tokens"] = []
+    del raw["model"]["vocab"]["<|bos|>"]
+    no_bos, garbage = tmp_path / "no_bos", tmp_path / "garbage"
+    for d in (no_bos, garbage):
+        d.mkdir()
+    (no_bos / "tokenizer.json").write_text(json.dumps(raw))
+    (garbage / "tokenizer.json").write_text(json.dumps(raw)[:5000])
+    for tok, message in [(no_bos, "no <|bos|> token; train it with"), (garbage, "cannot load tokenizer.json")]:
+        proc = subprocess.run([sys.executable, "-m", "nanochat_cpu.train",
+                               *tiny_flags(tiny_data_dir, tok, tmp_path / "run")],
+                              env=node_env(), capture_output=True, text=True, timeout=60, cwd=REPO)
+        assert proc.returncode == config_exit(), proc.stdout + proc.stderr
+        assert f"FATAL: --tokenizer-dir={tok}: cannot load tokenizer.json" in proc.stdout, proc.stdout
+        assert message in proc.stdout
+
+
+# ---- the master port ------------------------------------------------------------------------
+
+def test_foreign_process_on_master_port_fails_torchrun_at_once_naming_the_port(tiny_data_dir, tiny_tokenizer_dir,
+                                                                               tmp_path):
+    """`doctor`/the preflight name the holder (tests/test_doctor_netcheck.py); here: torchrun itself."""
+    port = free_port()
+    with socket.socket() as holder:
+        holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        holder.bind(("127.0.0.1", port))
+        holder.listen()
+        t0 = time.monotonic()
+        proc = subprocess.run(torchrun_cmd(1, port, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir,
+                                                                              tmp_path / "run"))),
+                              env=node_env(), capture_output=True, text=True, timeout=120, cwd=REPO)
+        took = time.monotonic() - t0
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert took < FAIL_FAST_S, f"torchrun took {took:.0f}s"
+    assert "EADDRINUSE" in out and f"port: {port}" in out, out[-3000:]
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
