@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -27,8 +28,17 @@ import pytest
 import torch
 
 from nanochat_cpu import checkpoint, config, data, tokenizer
-from tests.test_train_runs import finish, losses, tiny_flags, train_target
-from tests.torchrun_helpers import REPO, free_port, node_env, run_torchrun, spawn_node, torchrun_cmd
+from tests.test_train_runs import finish, losses, read_until, tiny_flags, train_target
+from tests.torchrun_helpers import (
+    REPO,
+    descendants,
+    free_port,
+    kill_tree,
+    node_env,
+    run_torchrun,
+    spawn_node,
+    torchrun_cmd,
+)
 
 FAULT_TRAIN = str(REPO / "tests" / "fault_train.py")
 # Two cold torch imports per node on a loaded 2-core machine, plus the failure itself.
@@ -153,6 +163,26 @@ def test_disk_full_during_checkpoint_names_the_cause_and_keeps_previous(tiny_dat
 def config_exit() -> int:
     from nanochat_cpu.dist import EXIT_CONFIG
     return EXIT_CONFIG
+
+
+def test_silent_peer_is_given_up_on_after_the_collective_timeout(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """A peer that stops answering without closing its sockets (hung, asleep, cable pulled):
+    no connection reset tells the others, so --collective-timeout bounds the wait."""
+    port = free_port()
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, num_iterations=100000, checkpoint_every=0,
+                       collective_timeout=5)
+    nodes = [spawn_node(2, rank, port, train_target(*flags)) for rank in range(2)]
+    try:
+        read_until(nodes[0], "step 00003", timeout=90)
+        for pid in descendants(nodes[1].pid):  # freeze node 1's trainer: alive, sockets open, silent
+            os.kill(pid, signal.SIGSTOP)
+        code, out, waited = finish(nodes[0], timeout=5 + 30 + 60)
+    finally:
+        for p in nodes:
+            kill_tree(p.pid, signal.SIGKILL)
+    assert code != 0
+    assert waited < 5 + 30 + 10, f"survivor took {waited:.0f}s to give up"
+    assert "FATAL" in out and "rank 1@" in out and "collective" in out, out[-2000:]
 
 
 # ---- bad flags -----------------------------------------------------------------------------------

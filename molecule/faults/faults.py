@@ -123,7 +123,7 @@ class Cluster:
         cmd += ["-e", json.dumps(run_vars)]  # JSON: values with spaces stay one value
         cmd += [*extra, name]
         env = dict(os.environ, ANSIBLE_CONFIG=str(REPO / "ansible.cfg"), ANSIBLE_FORCE_COLOR="false")
-        env.pop("ANSIBLE_CALLBACKS_ENABLED", None)  # molecule's profile_tasks: not needed here
+        env["ANSIBLE_CALLBACKS_ENABLED"] = "ansible.posix.profile_tasks"  # where the time goes
         t0 = time.time()
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
         return proc.returncode, proc.stdout + proc.stderr, time.time() - t0
@@ -262,18 +262,64 @@ def clean_run(c: Cluster, run: str) -> None:
                 f"/etc/nanochat/{run}.env", check=False)
 
 
-def case_node_loss(c: Cluster, report: dict) -> None:
+def event_kill(c: Cluster, unit: str, node: str, at_least: int) -> dict:
+    wait_mid_interval(c, unit, at_least)
+    t0 = kill_trainer(c, node, unit)
+    m = resume_after(c, unit, t0, node, timeout=300)
+    check_resume(c, unit, t0, m, node)
+    return m
+
+
+def event_stop_container(c: Cluster, unit: str, node: str, at_least: int, away_s: float,
+                         require_autostart: bool) -> dict:
+    wait_mid_interval(c, unit, at_least)
+    t0 = time.time()
+    subprocess.run(["podman", "stop", c.ct(node)], check=True, capture_output=True, timeout=120)
+    stopped_s = time.time() - t0
+    log(f"podman stop {c.ct(node)} took {stopped_s:.1f}s")
+    time.sleep(max(0.0, away_s - 10 - (time.time() - t0)))
+    # while it is away the survivors have restarted and wait for it in torchrun's rendezvous
+    away = {n: c.unit(n, unit) for n in c.nodes if n != node}
+    time.sleep(max(0.0, away_s - (time.time() - t0)))
+    subprocess.run(["podman", "start", c.ct(node)], check=True, capture_output=True, timeout=120)
+    t_back = time.time()
+    c.sh(node, "timeout 120 systemctl is-system-running --wait", check=False)
+    autostart = wait_active(c, node, unit, 20)
+    extra = {"container_stop_s": round(stopped_s, 1), "back_after_s": round(t_back - t0, 1),
+             "unit_file_state": c.unit(node, unit).get("UnitFileState"), "autostart": autostart,
+             "survivors_while_away": {n: f"{u['ActiveState']}/{u['SubState']}" for n, u in away.items()}}
+    for n, u in away.items():
+        expect(u["ActiveState"] in ("active", "activating"), f"{n} gave up while {node} was away: {u}")
+    if not autostart:
+        expect(not require_autostart, f"{node}'s {unit} did not start when the node came back "
+               f"(UnitFileState={extra['unit_file_state']}): the unit must be enabled for the run")
+        # nanochat-train@ has no [Install] and run_start does not enable it: a rebooted node does
+        # not rejoin by itself. The operator's step until it does (docs/FAULTS.md):
+        log(f"WARNING: {node}'s {unit} did not start at boot ({extra['unit_file_state']}); starting it by hand")
+        c.sh(node, f"systemctl start {unit}")
+        extra["manual_start_s"] = round(time.time() - t0, 1)
+    m = resume_after(c, unit, t0, node, timeout=420)
+    m.update(extra)
+    check_resume(c, unit, t0, m, node)
+    return m
+
+
+EVENTS = ("kill-worker", "stop-worker", "kill-master")
+
+
+def case_node_loss(c: Cluster, report: dict, events: list[str], require_autostart: bool) -> None:
     run = "faults-loss"
     unit = f"nanochat-train@{run}.service"
-    iters = 300
+    iters = 150  # ~0.3 s a step: still running after the refused train.yml and three faults
     run_vars = {**RUN_VARS, "run_name": run, "num_iterations": iters}
     clean_run(c, run)
     t_start = time.time()
-    rc, out, took = c.playbook("train.yml", run_vars, "-e", "restart=true")
+    rc, out, took = c.playbook("train.yml", run_vars)
     expect(rc == 0, f"train.yml failed:\n{show_train_failure(out)}")
     log(f"train.yml started {run} in {took:.0f}s")
     res = report.setdefault("node-loss", {})
     res["train_yml_s"] = round(took, 1)
+    res["train_yml_slowest_tasks"] = slowest_tasks(out)
     wait_step(c, unit, 3, timeout=300)
     lines = steps(c.journal(c.master, unit, t_start))
     res["train_yml_to_step1_s"] = round(lines[0][0] - t_start, 1)
@@ -293,55 +339,24 @@ def case_node_loss(c: Cluster, report: dict) -> None:
                                             "")[:400]}
     log(f"second train.yml refused in {took:.0f}s; units untouched")
 
-    # --- 1: SIGKILL a worker's trainer
-    wait_mid_interval(c, unit, CHECKPOINT_EVERY)
-    worker = c.workers[0]
-    t0 = kill_trainer(c, worker, unit)
-    m = resume_after(c, unit, t0, worker, timeout=300)
-    check_resume(c, unit, t0, m, worker)
-    res["kill_worker"] = m
-    log(f"worker kill: {json.dumps(m)}")
-
-    # --- 2: stop a worker's container for 60 s
-    wait_mid_interval(c, unit, m["resumed_from"] + CHECKPOINT_EVERY)
-    t0 = time.time()
-    subprocess.run(["podman", "stop", c.ct(worker)], check=True, capture_output=True, timeout=120)
-    stopped_s = time.time() - t0
-    log(f"podman stop {c.ct(worker)} took {stopped_s:.1f}s")
-    time.sleep(max(0.0, 60 - (time.time() - t0)))
-    # while it is away: the survivors restart and wait for it in the rendezvous
-    away = {n: c.unit(n, unit) for n in c.nodes if n != worker}
-    subprocess.run(["podman", "start", c.ct(worker)], check=True, capture_output=True, timeout=120)
-    t_back = time.time()
-    c.sh(worker, "timeout 120 systemctl is-system-running --wait", check=False)
-    autostart = wait_active(c, worker, unit, 20)
-    m_extra = {"container_stop_s": round(stopped_s, 1), "back_after_s": round(t_back - t0, 1),
-               "unit_enabled": c.unit(worker, unit).get("UnitFileState"), "autostart": autostart,
-               "survivor_states_while_away": {n: f"{u['ActiveState']}/{u['SubState']} NRestarts={u['NRestarts']}"
-                                              for n, u in away.items()}}
-    if not autostart:
-        # nanochat-train@ is not enabled (no [Install], run_start does not enable it): after a reboot
-        # the node does not rejoin by itself. The operator's step, until the roles enable the unit:
-        log(f"WARNING: {worker}'s {unit} did not start at boot ({m_extra['unit_enabled']}); starting it by hand")
-        c.sh(worker, f"systemctl start {unit}")
-        m_extra["manual_start_s"] = round(time.time() - t0, 1)
-    m = resume_after(c, unit, t0, worker, timeout=420)
-    m.update(m_extra)
-    check_resume(c, unit, t0, m, worker)
-    res["stop_worker_60s"] = m
-    log(f"worker container stop: {json.dumps(m)}")
-
-    # --- 3: SIGKILL the master's trainer
-    wait_mid_interval(c, unit, m["resumed_from"] + CHECKPOINT_EVERY)
-    t0 = kill_trainer(c, c.master, unit)
-    m = resume_after(c, unit, t0, c.master, timeout=300)
-    check_resume(c, unit, t0, m, c.master)
-    res["kill_master"] = m
-    log(f"master kill: {json.dumps(m)}")
+    # --- 1-3: the faults, each once the run has passed another checkpoint
+    at_least, t_last = CHECKPOINT_EVERY, t_start
+    for event in events:
+        t_last = time.time()
+        if event == "kill-worker":
+            m = event_kill(c, unit, c.workers[0], at_least)
+        elif event == "kill-master":
+            m = event_kill(c, unit, c.master, at_least)
+        else:
+            m = event_stop_container(c, unit, c.workers[0], at_least, 60, require_autostart)
+        res[event] = m
+        at_least = m["resumed_from"] + CHECKPOINT_EVERY
+        log(f"{event}: " + json.dumps({k: v for k, v in m.items() if k not in c.nodes}))
+        expect(at_least < iters - CHECKPOINT_EVERY, f"the run is too short for the next fault ({iters} steps)")
 
     # --- the run finishes: every node done, units ended cleanly, the final checkpoint complete
     def finished():
-        return all(first(c.journal(n, unit, t0), rf"done: {iters} steps") for n in c.nodes) and all(
+        return all(first(c.journal(n, unit, t_last), rf"done: {iters} steps") for n in c.nodes) and all(
             c.unit(n, unit)["ActiveState"] in ("inactive", "failed") for n in c.nodes)
     wait_for(f"every node to finish step {iters}", finished, timeout=600, every=3)
     for n in c.nodes:
@@ -358,6 +373,12 @@ def case_node_loss(c: Cluster, report: dict) -> None:
     log(f"run finished: {json.dumps(res['final'])}")
 
 
+def slowest_tasks(out: str, n: int = 6) -> list[str]:
+    """profile_tasks' summary lines ('role : task ---- 12.34s'), slowest first."""
+    found = re.findall(r"^(\S.*?) -{2,} ([0-9.]+)s$", out, flags=re.MULTILINE)
+    return [f"{name.strip()} {float(sec):.0f}s" for name, sec in found[:n]]
+
+
 def wait_active(c: Cluster, node: str, unit: str, timeout: float) -> bool:
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -372,22 +393,28 @@ def wait_active(c: Cluster, node: str, unit: str, timeout: float) -> bool:
 def case_drift(c: Cluster, report: dict) -> None:
     run = "faults-drift"
     unit = f"nanochat-train@{run}.service"
-    node = c.workers[-1]
-    shard = "/var/lib/nanochat/data/fortunes/shard_00001.parquet"
+    node, gone_node = c.workers[-1], c.workers[0]
+    data = "/var/lib/nanochat/data/fortunes"
+    shard, gone = f"{data}/shard_00001.parquet", f"{data}/shard_00003.parquet"
     res = report.setdefault("drift", {})
+    # one node's shard changed, another's missing: what a partial re-push or a stray edit leaves
     c.sh(node, f"cp -p {shard} /root/shard.orig && printf drift >> {shard}")
+    c.sh(gone_node, f"mv {gone} /root/shard.gone")
     try:
         run_vars = {**RUN_VARS, "run_name": run, "num_iterations": 10}
         rc, out, took = c.playbook("train.yml", run_vars)
         expect(rc != 0, "train.yml started a run on drifted data")
-        msg = next((ln.strip() for ln in out.splitlines() if "data verify FAILED on" in ln), "")
-        expect(f"data verify FAILED on {node}: shard_00001.parquet" in out and "site.yml" in out,
+        msg = next((ln.strip() for ln in out.splitlines() if f"data verify FAILED on {node}" in ln), "")
+        msg_gone = next((ln.strip() for ln in out.splitlines() if f"data verify FAILED on {gone_node}" in ln), "")
+        expect(f"data verify FAILED on {node}: shard_00001.parquet" in msg and "site.yml" in msg,
                f"the preflight did not name {node} and the file:\n{show_train_failure(out)}")
+        expect(f"data verify FAILED on {gone_node}: shard_00003.parquet" in msg_gone and "no file" in msg_gone,
+               f"the preflight did not name {gone_node} and the missing file:\n{show_train_failure(out)}")
         for n in c.nodes:
             u = c.unit(n, unit)
             expect(u.get("InvocationID", "") == "" and u.get("ActiveState") == "inactive",
                    f"{n}: {unit} was started despite the failed preflight: {u}")
-        res["preflight"] = {"seconds": round(took, 1), "message": msg[:400]}
+        res["preflight"] = {"seconds": round(took, 1), "message": msg[:400], "message_missing": msg_gone[:400]}
         log(f"preflight stopped train.yml in {took:.0f}s: {msg[:200]}")
 
         # started by hand anyway, with an env file like train.yml renders
@@ -412,8 +439,9 @@ def case_drift(c: Cluster, report: dict) -> None:
             c.sh(n, f"systemctl stop {unit}; systemctl reset-failed {unit} || true")
         res["by_hand"] = {}
         for n, (t, m) in fatal.items():
-            expect("run fingerprint mismatch" in m and "file data/shard_00001.parquet" in m and f"{node} has" in m,
-                   f"{n}: not the fingerprint message: {m}")
+            expect("run fingerprint mismatch" in m and "file data/shard_00001.parquet" in m and f"{node} has" in m
+                   and "file data/shard_00003.parquet" in m and f"{gone_node} has missing" in m,
+                   f"{n}: not the fingerprint message naming both files: {m}")
             j = c.journal(n, unit, t0)
             banner = first(j, r"\] nanochat_cpu ")
             res["by_hand"][n] = {"fatal_s": round(t - t0, 1),
@@ -423,6 +451,7 @@ def case_drift(c: Cluster, report: dict) -> None:
         log(f"units started by hand: {json.dumps(res['by_hand'])}")
     finally:
         c.sh(node, f"cp -p /root/shard.orig {shard}", check=False)
+        c.sh(gone_node, f"mv /root/shard.gone {gone}", check=False)
         for n in c.nodes:
             c.sh(n, f"systemctl stop {unit}; systemctl reset-failed {unit}; rm -f /etc/nanochat/{run}.env", check=False)
 
@@ -488,8 +517,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--inventory", type=Path, required=True)
     p.add_argument("--report", type=Path, required=True, help="JSON file the measurements are merged into")
+    p.add_argument("--events", default=",".join(EVENTS),
+                   help=f"node-loss faults, in order, comma-separated (default: all of {', '.join(EVENTS)})")
+    p.add_argument("--require-autostart", action="store_true",
+                   help="fail when a restarted node's unit does not start by itself (it is not enabled yet)")
     p.add_argument("cases", nargs="+", choices=sorted(CASES))
     args = p.parse_args()
+    events = [e for e in args.events.split(",") if e]
+    bad = set(events) - set(EVENTS)
+    if bad:
+        p.error(f"unknown --events {sorted(bad)}; choose from {', '.join(EVENTS)}")
     c = Cluster(args.inventory)
     report = json.loads(args.report.read_text()) if args.report.exists() else {}
     status = 0
@@ -499,8 +536,10 @@ def main() -> int:
         try:
             if name == "network":
                 case_network(c, report, args.report.parent)
+            elif name == "node-loss":
+                case_node_loss(c, report, events, args.require_autostart)
             else:
-                CASES[name](c, report)
+                case_drift(c, report)
             report.setdefault(name, {})["case_s"] = round(time.time() - t0, 1)
             log(f"case {name} passed in {time.time() - t0:.0f}s")
         except Failed as exc:
