@@ -196,8 +196,8 @@ def resume_after(c: Cluster, unit: str, t0: float, killed: str | None, timeout: 
     return m
 
 
-def check_resume(c: Cluster, unit: str, t0: float, m: dict, killed: str | None) -> None:
-    lines = c.journal(c.master, unit)
+def check_resume(c: Cluster, unit: str, t0: float, m: dict, killed: str | None, since: float) -> None:
+    lines = c.journal(c.master, unit, since)  # this run's lines only (a journal outlives a rerun)
     before = {s: loss for _, s, loss in steps(lines, before=t0)}
     last_before = max(before)
     m["last_step_before"] = last_before
@@ -262,16 +262,16 @@ def clean_run(c: Cluster, run: str) -> None:
                 f"/etc/nanochat/{run}.env", check=False)
 
 
-def event_kill(c: Cluster, unit: str, node: str, at_least: int) -> dict:
+def event_kill(c: Cluster, unit: str, node: str, at_least: int, since: float) -> dict:
     wait_mid_interval(c, unit, at_least)
     t0 = kill_trainer(c, node, unit)
     m = resume_after(c, unit, t0, node, timeout=300)
-    check_resume(c, unit, t0, m, node)
+    check_resume(c, unit, t0, m, node, since)
     return m
 
 
 def event_stop_container(c: Cluster, unit: str, node: str, at_least: int, away_s: float,
-                         require_autostart: bool) -> dict:
+                         require_autostart: bool, since: float) -> dict:
     wait_mid_interval(c, unit, at_least)
     t0 = time.time()
     subprocess.run(["podman", "stop", c.ct(node)], check=True, capture_output=True, timeout=120)
@@ -300,7 +300,7 @@ def event_stop_container(c: Cluster, unit: str, node: str, at_least: int, away_s
         extra["manual_start_s"] = round(time.time() - t0, 1)
     m = resume_after(c, unit, t0, node, timeout=420)
     m.update(extra)
-    check_resume(c, unit, t0, m, node)
+    check_resume(c, unit, t0, m, node, since)
     return m
 
 
@@ -344,11 +344,11 @@ def case_node_loss(c: Cluster, report: dict, events: list[str], require_autostar
     for event in events:
         t_last = time.time()
         if event == "kill-worker":
-            m = event_kill(c, unit, c.workers[0], at_least)
+            m = event_kill(c, unit, c.workers[0], at_least, t_start)
         elif event == "kill-master":
-            m = event_kill(c, unit, c.master, at_least)
+            m = event_kill(c, unit, c.master, at_least, t_start)
         else:
-            m = event_stop_container(c, unit, c.workers[0], at_least, 60, require_autostart)
+            m = event_stop_container(c, unit, c.workers[0], at_least, 60, require_autostart, t_start)
         res[event] = m
         at_least = m["resumed_from"] + CHECKPOINT_EVERY
         log(f"{event}: " + json.dumps({k: v for k, v in m.items() if k not in c.nodes}))
@@ -367,7 +367,7 @@ def case_node_loss(c: Cluster, report: dict, events: list[str], require_autostar
         starts = len([1 for _, msg in c.journal(n, unit, t_start) if msg.startswith("Started nanochat-train")])
         expect(starts <= 5, f"{n}: {starts} starts, StartLimitBurst is 5")
         res.setdefault("final", {})[f"{n}_starts"] = starts
-    losses = steps(c.journal(c.master, unit))
+    losses = steps(c.journal(c.master, unit, t_start))
     res["final"].update(final_step=losses[-1][1], final_loss=losses[-1][2], initial_loss=losses[0][2],
                         wall_s=round(losses[-1][0] - t_start, 1))
     log(f"run finished: {json.dumps(res['final'])}")
