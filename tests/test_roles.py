@@ -293,7 +293,8 @@ def test_bad_extra_vars_fail_before_any_node_play(tmp_path: Path, extra: list[st
     """The example inventory's hosts are unreachable here: reaching a node play would show it."""
     (tmp_path / "localhost.yml").write_text(LOCALHOST_INV)
     res = subprocess.run(
-        [tool("ansible-playbook"), "-i", "inventory/example", "-i", str(tmp_path / "localhost.yml"), "train.yml", *extra],
+        [tool("ansible-playbook"), "-i", "inventory/example", "-i", str(tmp_path / "localhost.yml"), "train.yml",
+         *extra],
         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300,
     )
     out = res.stdout + res.stderr

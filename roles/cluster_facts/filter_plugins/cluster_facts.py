@@ -73,7 +73,8 @@ def cluster_facts_train_net(facts: dict[str, Any], lan_subnet: str, requested: s
         return result
     if not holders:
         result["error"] = (
-            f"no interface has an IPv4 address in lan_subnet {network} (interfaces: {', '.join(interfaces) or 'none'}). "
+            f"no interface has an IPv4 address in lan_subnet {network} "
+            f"(interfaces: {', '.join(interfaces) or 'none'}). "
             "Fix: connect the node to the LAN, correct lan_subnet, or set train_interface"
         )
         return result

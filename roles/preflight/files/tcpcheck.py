@@ -88,7 +88,7 @@ def connect(args: argparse.Namespace) -> int:
             s.sendall((me + "\n").encode())
             s.recv(256)
             r["ok"] = True
-        except socket.timeout:
+        except TimeoutError:
             r["error"] = f"timed out after {args.timeout:g}s (dropped: a firewall, or no route from {args.src})"
         except OSError as exc:
             r["error"] = f"{exc.strerror or exc} (errno {exc.errno})"
