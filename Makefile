@@ -81,4 +81,5 @@ molecule: root venv image
 
 demo: root setup image cluster-up
 	ansible-playbook -i $(INVENTORY) site.yml
-	ansible-playbook -i $(INVENTORY) train.yml -e depth=$(DEPTH) -e num_iterations=$(ITERATIONS)
+	ansible-playbook -i $(INVENTORY) train.yml -e depth=$(DEPTH) -e num_iterations=$(ITERATIONS) -e restart=true
+	ansible-playbook -i $(INVENTORY) playbooks/demo_finish.yml -e depth=$(DEPTH)
