@@ -12,7 +12,6 @@ so restarts of a run on large data do not re-read every shard.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
@@ -20,16 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from . import __version__
-
-CHUNK = 1 << 20
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
+from .data import sha256_file
 
 
 def cached_sha256(path: str, cache: dict[str, dict]) -> str:
