@@ -79,7 +79,7 @@ def compute(host: str, data_dir: str, tokenizer_dir: str, config_hash: str, cach
     files["tokenizer/tokenizer.json"] = cached_sha256(tok, cache) if os.path.exists(tok) else "missing"
     if cache_path:
         os.makedirs(os.path.dirname(cache_path), exist_ok=True)
-        tmp = cache_path + ".tmp"
+        tmp = f"{cache_path}.tmp.{os.getpid()}"  # two local ranks of different nodes may share out_dir
         with open(tmp, "w") as f:
             json.dump(cache, f)
         os.replace(tmp, cache_path)
