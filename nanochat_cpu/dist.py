@@ -50,7 +50,9 @@ class DistEnv:
 def log(env: DistEnv | None, msg: str) -> None:
     """One unbuffered line; under systemd it lands in journald as is."""
     prefix = f"[{env.host} rank {env.rank}/{env.world_size}] " if env else f"[{socket.gethostname()}] "
-    print(prefix + msg, flush=True)
+    # one write per line: ranks sharing a pipe (torchrun, journald) never interleave mid-line
+    sys.stdout.write(prefix + msg + "\n")
+    sys.stdout.flush()
 
 
 def fail(env: DistEnv | None, code: int, msg: str) -> None:
