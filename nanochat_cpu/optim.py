@@ -2,21 +2,31 @@
 
 With N ranks the optimizer also does the gradient synchronisation, ZeRO-2 style:
 
-1. reduce-scatter: each rank receives the summed gradient of only the slice it owns,
+1. reduce: each rank receives the summed gradient of only the slice it owns,
 2. it updates that slice with its own (sharded) optimizer state,
-3. all-gather: every rank receives every updated slice.
+3. all-gather: every rank receives every updated slice, straight into the parameters.
 
 Ownership, per group:
-- AdamW groups are flattened into one buffer, padded to a multiple of the world size, and cut
-  into equal contiguous slices: any world size works (no divisibility of the vocabulary).
+- AdamW groups are laid out in one flat buffer, padded to a multiple of the world size, and
+  cut into equal contiguous slices: any world size works (no divisibility of the vocabulary).
 - Muon groups hold matrices of one shape, stacked and padded with zero matrices to a
   multiple of the world size; each rank orthogonalises whole matrices (Newton-Schulz needs the
   whole matrix), so the orthogonalisation cost is split across ranks too.
 
-Collectives are started asynchronously and completed with `Work.wait()`, never
-`Work.get_future()`, which Gloo does not implement for reduce-scatter. All reduce-scatters
-are launched before any update is computed, so later groups' communication overlaps earlier
-groups' arithmetic.
+Where the bytes go (the wire is the bottleneck between a workstation and a laptop on WiFi):
+- Parameters and gradients of a group live in persistent flat buffers; each parameter's data
+  and .grad are views into them. Collectives read and write the buffers in place: no copies
+  into and out of temporary buffers, no fresh allocations each step.
+- The token and value embedding tables get gradients only in the rows of tokens the rank saw.
+  Their "reduce" is sparse: ranks all-gather (row id, gradient row) pairs and each adds up the
+  rows in its own slice, which is the same sum as a dense reduce-scatter, for a few hundred KB
+  instead of the whole table.
+- Dense groups start their reduce-scatter from gradient hooks during the last micro-step's
+  backward pass (`sync_in_backward`), as soon as the group's last gradient is complete, so the
+  LM head's communication overlaps the backward pass of the blocks below it.
+
+Collectives are completed with `Work.wait()`, never `Work.get_future()`, which Gloo does not
+implement for reduce-scatter.
 
 Gradients are *summed* across ranks: the trainer scales each rank's loss by its share of the
 global batch's tokens, so uneven per-rank batches still give the global mean gradient.
@@ -71,11 +81,21 @@ class Group:
     eps: float = 1e-10
     momentum: float = 0.95
     weight_decay: float = 0.0
+    sparse_rows: bool = False  # embedding tables: only the rows of tokens seen get gradients
     lr_multiplier: float = 1.0  # set by the schedule each step
-    # sharding bookkeeping, filled in by the optimizer
+    # sharding bookkeeping, filled in by the optimizer. A unit is one element (dense AdamW),
+    # one table row (sparse AdamW) or one matrix (Muon); each rank owns `shard` units.
     numel: int = 0
     shard: int = 0
     state: dict[str, torch.Tensor] = field(default_factory=dict)
+    # N ranks: persistent buffers of shape (shard x world, *unit); parameters and grads are views
+    param_buf: torch.Tensor | None = None
+    grad_buf: torch.Tensor | None = None
+    views: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (data, grad) per param
+    grad_slice: torch.Tensor | None = None  # the summed gradient of the owned units
+    master: torch.Tensor | None = None  # the owned units' values, updated, then all-gathered
+    ready: int = 0  # parameters whose last-micro-step gradient is complete
+    pending: list = field(default_factory=list)  # in-flight collectives of this step
 
 
 class MuonAdamW:
@@ -89,68 +109,122 @@ class MuonAdamW:
         self.comm_dtype = comm_dtype
         self.step_count = 0
         self.last_comm_wait = 0.0  # seconds the last step spent blocked on communication
+        # Set by the trainer around the last micro-step's backward: dense groups then start
+        # their reduce-scatter from gradient hooks. Left False, step() starts everything.
+        self.sync_in_backward = False
         for g in groups:
             if g.kind == "muon":
                 shapes = {tuple(p.shape) for p in g.params}
                 assert len(shapes) == 1, f"muon group {g.name} mixes shapes {shapes}"
                 g.numel = len(g.params)  # number of matrices
+            elif g.sparse_rows:
+                widths = {tuple(p.shape[1:]) for p in g.params}
+                assert all(p.dim() == 2 for p in g.params) and len(widths) == 1, f"{g.name}: tables differ {widths}"
+                g.numel = sum(p.shape[0] for p in g.params)  # rows
             else:
                 g.numel = sum(p.numel() for p in g.params)
             g.shard = -(-g.numel // world_size)  # ceil: slices of equal size, last one padded
+            if world_size > 1:
+                self._make_buffers(g)
 
-    # ---- communication helpers -------------------------------------------------------------
+    # ---- buffers: parameters and gradients as views of one flat tensor per group ------------
 
-    def _flat_grads(self, g: Group) -> torch.Tensor:
-        """All gradients of a group in one padded buffer (matrices stacked for Muon)."""
+    def _unit(self, g: Group) -> tuple[int, ...]:
         p0 = g.params[0]
-        if g.kind == "muon":
-            buf = torch.zeros((g.shard * self.world_size, *p0.shape), dtype=p0.dtype, device=p0.device)
-            for i, p in enumerate(g.params):
-                if p.grad is not None:
-                    buf[i].copy_(p.grad)
-            return buf
-        buf = torch.zeros(g.shard * self.world_size, dtype=p0.dtype, device=p0.device)
-        offset = 0
+        return tuple(p0.shape) if g.kind == "muon" else tuple(p0.shape[1:]) if g.sparse_rows else ()
+
+    def _make_buffers(self, g: Group) -> None:
+        p0, unit = g.params[0], self._unit(g)
+        shape = (g.shard * self.world_size, *unit)
+        g.param_buf = torch.zeros(shape, dtype=p0.dtype, device=p0.device)
+        g.grad_buf = torch.zeros(shape, dtype=p0.dtype, device=p0.device)
+        flat_p, flat_g, offset = g.param_buf.view(-1), g.grad_buf.view(-1), 0
         for p in g.params:
             n = p.numel()
-            if p.grad is not None:
-                buf[offset: offset + n].copy_(p.grad.reshape(-1))
+            data, grad = flat_p[offset: offset + n].view_as(p), flat_g[offset: offset + n].view_as(p)
+            data.copy_(p.data)
+            p.data = data  # the module now reads and trains the buffer itself
+            p.grad = grad
+            g.views.append((data, grad))
             offset += n
-        return buf
+            if not g.sparse_rows:
+                p.register_post_accumulate_grad_hook(self._grad_ready_hook(g))
+        g.grad_slice = torch.zeros((g.shard, *unit), dtype=p0.dtype, device=p0.device)
+        g.master = torch.zeros_like(g.grad_slice)
 
-    def _my_param_slice(self, g: Group) -> torch.Tensor:
-        """A copy of the parameter values this rank owns, in the padded flat layout."""
-        p0 = g.params[0]
-        lo, hi = self.rank * g.shard, (self.rank + 1) * g.shard
-        if g.kind == "muon":
-            out = torch.zeros((g.shard, *p0.shape), dtype=p0.dtype, device=p0.device)
-            for i in range(lo, min(hi, g.numel)):
-                out[i - lo].copy_(g.params[i].data)
-            return out
-        out = torch.zeros(g.shard, dtype=p0.dtype, device=p0.device)
-        offset = 0
-        for p in g.params:
-            n = p.numel()
-            a, b = max(lo, offset), min(hi, offset + n)
-            if a < b:
-                out[a - lo: b - lo].copy_(p.data.reshape(-1)[a - offset: b - offset])
-            offset += n
-        return out
+    def _grad_ready_hook(self, g: Group):
+        def hook(_param: torch.Tensor) -> None:
+            if not self.sync_in_backward or g.pending:
+                return
+            g.ready += 1
+            if g.ready == len(g.params):
+                self._start_reduce(g)
+        return hook
 
-    def _scatter_back(self, g: Group, full: torch.Tensor) -> None:
-        if g.kind == "muon":
-            for i, p in enumerate(g.params):
-                p.data.copy_(full[i])
+    def _grads_into_buffer(self, g: Group) -> None:
+        """Make every .grad the buffer's view again (a trainer may have set grads to None)."""
+        for p, (_, grad) in zip(g.params, g.views, strict=True):
+            if p.grad is None:
+                grad.zero_()
+            elif p.grad.data_ptr() != grad.data_ptr():
+                grad.copy_(p.grad)
+            p.grad = grad
+
+    # ---- communication -----------------------------------------------------------------------
+
+    def _start_reduce(self, g: Group) -> None:
+        """Start summing the group's gradients across ranks; each rank gets its own slice."""
+        self._grads_into_buffer(g)
+        if g.sparse_rows:
+            self._start_sparse_reduce(g)
             return
-        offset = 0
-        for p in g.params:
-            p.data.copy_(full[offset: offset + p.numel()].view_as(p))
-            offset += p.numel()
+        send = g.grad_buf if self.comm_dtype == g.grad_buf.dtype else g.grad_buf.to(self.comm_dtype)
+        recv = g.grad_slice if self.comm_dtype == g.grad_buf.dtype else torch.empty_like(send[: g.shard])
+        g.pending = [("dense", recv, reduce_scatter(recv, send, op=dist.ReduceOp.SUM, async_op=True))]
+
+    def _start_sparse_reduce(self, g: Group) -> None:
+        """All-gather (row id, gradient row) for the rows this rank touched; padded to the
+        largest count, which costs one tiny synchronous exchange first."""
+        ids = g.grad_buf.any(dim=1).nonzero().squeeze(1)
+        count = torch.tensor([ids.numel()], dtype=torch.int64, device=ids.device)
+        counts = torch.empty(self.world_size, dtype=torch.int64, device=ids.device)
+        t0 = time.perf_counter()
+        all_gather(counts, count, async_op=True).wait()
+        self.last_comm_wait += time.perf_counter() - t0
+        width = int(counts.max())
+        send_ids = torch.full((width,), -1, dtype=torch.int64, device=ids.device)
+        send_ids[: ids.numel()] = ids
+        send_rows = torch.zeros((width, g.grad_buf.shape[1]), dtype=self.comm_dtype, device=ids.device)
+        send_rows[: ids.numel()] = g.grad_buf[ids]
+        all_ids = torch.empty(width * self.world_size, dtype=torch.int64, device=ids.device)
+        all_rows = torch.empty((width * self.world_size, g.grad_buf.shape[1]), dtype=self.comm_dtype,
+                               device=ids.device)
+        g.pending = [("ids", all_ids, all_gather(all_ids, send_ids, async_op=True)),
+                     ("rows", all_rows, all_gather(all_rows, send_rows, async_op=True))]
+
+    def _finish_reduce(self, g: Group) -> None:
+        got = {}
+        for kind, tensor, work in g.pending:
+            t0 = time.perf_counter()
+            work.wait()
+            self.last_comm_wait += time.perf_counter() - t0
+            got[kind] = tensor
+        g.pending = []
+        if "dense" in got:
+            if got["dense"] is not g.grad_slice:
+                g.grad_slice.copy_(got["dense"])
+            return
+        # rows from every rank, in rank order: add up those in this rank's slice
+        lo = self.rank * g.shard
+        ids, rows = got["ids"], got["rows"]
+        mine = (ids >= lo) & (ids < lo + g.shard)
+        g.grad_slice.zero_()
+        g.grad_slice.index_add_(0, ids[mine] - lo, rows[mine].to(g.grad_slice.dtype))
 
     # ---- updates on the owned slice ----------------------------------------------------------
 
     def _adamw(self, g: Group, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """AdamW on a list of tensors (one flat slice with N ranks, the parameters with 1)."""
+        """AdamW on a list of tensors (the owned slice with N ranks, the parameters with 1)."""
         if "exp_avg" not in g.state:
             for i, p in enumerate(params):
                 g.state[f"exp_avg.{i}"] = torch.zeros_like(p)
@@ -187,7 +261,7 @@ class MuonAdamW:
                 p.mul_(1 - lr * g.weight_decay)
             p.add_(u, alpha=-lr)
 
-    def _owned_matrices(self, g: Group) -> int:
+    def _owned_units(self, g: Group) -> int:
         return max(0, min(g.shard, g.numel - self.rank * g.shard))
 
     # ---- the step ----------------------------------------------------------------------------
@@ -195,6 +269,8 @@ class MuonAdamW:
     @torch.no_grad()
     def step(self) -> None:
         self.step_count += 1
+        self.sync_in_backward = False
+        self.last_comm_wait = 0.0
         if self.world_size == 1:
             for g in self.groups:
                 if g.kind == "adamw":
@@ -204,40 +280,36 @@ class MuonAdamW:
                 grads = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params])
                 self._muon(g, [p.data for p in g.params], grads, len(g.params))
             return
-        pending = []
-        for g in self.groups:
-            grads = self._flat_grads(g).to(self.comm_dtype)
-            out = torch.empty_like(grads[: g.shard])
-            work = reduce_scatter(out, grads, op=dist.ReduceOp.SUM, async_op=True)
-            pending.append((g, out, work))
+        # dense groups whose hooks did not fire (no sync_in_backward), then the sparse tables
+        # (their gradients complete last: the embeddings are the first layer)
+        for g in sorted(self.groups, key=lambda g: g.sparse_rows):
+            if not g.pending:
+                self._start_reduce(g)
         gathers = []
-        waited = 0.0
-        for g, grad_slice, work in pending:
+        for g in self.groups:
+            self._finish_reduce(g)
+            lo = self.rank * g.shard
+            g.master.copy_(g.param_buf[lo: lo + g.shard])
+            if g.kind == "muon":
+                self._muon(g, g.master, g.grad_slice, self._owned_units(g))
+            else:  # padding past the last parameter has zero gradient, so Adam keeps it at zero
+                self._adamw(g, [g.master], [g.grad_slice])
+            gathers.append(all_gather(g.param_buf, g.master, async_op=True))
+        for work in gathers:
             t0 = time.perf_counter()
             work.wait()
-            waited += time.perf_counter() - t0
-            mine = self._my_param_slice(g)
-            self._update_slice(g, mine, grad_slice.to(mine.dtype))
-            gathered = torch.empty((g.shard * self.world_size, *mine.shape[1:]), dtype=mine.dtype,
-                                   device=mine.device)
-            gathers.append((g, gathered, all_gather(gathered, mine, async_op=True)))
-        for g, gathered, work in gathers:
-            t0 = time.perf_counter()
-            work.wait()
-            waited += time.perf_counter() - t0
-            self._scatter_back(g, gathered)
-        self.last_comm_wait = waited
-
-    def _update_slice(self, g: Group, params: torch.Tensor, grads: torch.Tensor) -> None:
-        if g.kind == "muon":
-            self._muon(g, params, grads, self._owned_matrices(g))
-        else:
-            self._adamw(g, [params], [grads])
+            self.last_comm_wait += time.perf_counter() - t0
 
     def zero_grad(self) -> None:
         for g in self.groups:
-            for p in g.params:
-                p.grad = None
+            g.ready = 0
+            if g.grad_buf is None:
+                for p in g.params:
+                    p.grad = None
+                continue
+            g.grad_buf.zero_()
+            for p, (_, grad) in zip(g.params, g.views, strict=True):
+                p.grad = grad
 
     # ---- checkpointing: each rank saves and loads only its own shard -----------------------
 
@@ -269,8 +341,9 @@ def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dt
     scale = (model.cfg.n_embd / 768) ** -0.5
     adamw = [
         Group("adamw", "lm_head", groups["lm_head"], lr=cfg.unembedding_lr * scale),
-        Group("adamw", "embedding", groups["embedding"], lr=cfg.embedding_lr * scale),
-        Group("adamw", "value_embedding", groups["value_embedding"], lr=cfg.embedding_lr * scale),
+        Group("adamw", "embedding", groups["embedding"], lr=cfg.embedding_lr * scale, sparse_rows=True),
+        Group("adamw", "value_embedding", groups["value_embedding"], lr=cfg.embedding_lr * scale,
+              sparse_rows=True),
         Group("adamw", "scalar", groups["scalar"], lr=cfg.scalar_lr * 0.01),
     ]
     by_shape: dict[tuple[int, ...], list[torch.nn.Parameter]] = {}

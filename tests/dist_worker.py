@@ -64,8 +64,18 @@ def step(out: str, split: str | None) -> None:
         assert sum(sizes) == GLOBAL_ROWS and len(sizes) == env.world_size
         start = sum(sizes[: env.rank])
         mine = tokens[start:start + sizes[env.rank]]
-        loss = model(mine[:, :-1], mine[:, 1:])
-        (loss * sizes[env.rank] / GLOBAL_ROWS).backward()
+        if os.environ.get("MICRO_ROWS"):  # gradient accumulation, the last backward syncing as it goes
+            rows = int(os.environ["MICRO_ROWS"])
+            chunks = mine.split(rows)
+            for i, chunk in enumerate(chunks):
+                opt.sync_in_backward = i == len(chunks) - 1
+                loss = model(chunk[:, :-1], chunk[:, 1:])
+                (loss * chunk.size(0) / GLOBAL_ROWS).backward()
+            if env.world_size > 1:  # every dense group's reduce-scatter is already on the wire
+                assert all(g.pending for g in opt.groups if not g.sparse_rows), "hooks did not start the reduce"
+        else:
+            loss = model(mine[:, :-1], mine[:, 1:])
+            (loss * sizes[env.rank] / GLOBAL_ROWS).backward()
         opt.step()
         opt.zero_grad()
     if env.rank == 0:

@@ -47,6 +47,18 @@ def test_uneven_token_weighted_split_equals_even_split(split, reference, tmp_pat
         torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=2e-5, msg=f"{name} differs with split {split}")
 
 
+@pytest.mark.parametrize("world", [2, 3])
+def test_accumulation_with_reduce_started_in_backward_equals_one_rank(world, reference, tmp_path):
+    """One row per micro-step, the last backward starting each group's reduce-scatter from its
+    gradient hooks (sync_in_backward): still the 1-rank step."""
+    out = tmp_path / "params.pt"
+    proc = run_torchrun(world, [WORKER, "step", str(out)], env_extra={"MICRO_ROWS": "1"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = torch.load(out)
+    for name, ref in reference.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=2e-5, msg=f"{name} differs at world={world}")
+
+
 def test_bf16_gradient_communication_stays_close(reference, tmp_path):
     """--grad-comm-dtype bfloat16 halves the bytes on the wire; the result moves by rounding only."""
     out = tmp_path / "params.pt"

@@ -89,15 +89,16 @@ def copy_run(trained_run, dest: Path) -> tuple[Path, dict[str, str]]:
     return dest, tree_digest(dest / "checkpoints")
 
 
-def two_nodes_fail(flags_per_node: list[list[str]], timeout: float = 90) -> list[str]:
-    """Two 'nodes' (one torchrun each): both must exit non-zero on their own, within FAIL_FAST_S."""
+def two_nodes_fail(flags_per_node: list[list[str]], code: int, timeout: float = 90) -> list[str]:
+    """Two 'nodes' (one launcher each): both must exit with `code` on their own, within FAIL_FAST_S.
+    The code is what systemd sees: 2 and 3 are in the unit's RestartPreventExitStatus."""
     port = free_port()
     t0 = time.monotonic()
     nodes = [spawn_node(2, rank, port, train_target(*flags)) for rank, flags in enumerate(flags_per_node)]
     results = [finish(p, timeout=timeout) for p in nodes]
     took = time.monotonic() - t0
-    for code, out, _ in results:
-        assert code != 0, out
+    for got, out, _ in results:
+        assert got == code, f"exit {got}, expected {code}:\n{out}"
         assert "FATAL" in out and not trainer_traceback(out), out
     assert took < FAIL_FAST_S, f"ranks took {took:.0f}s to give up:\n" + results[0][1]
     return [out for _, out, _ in results]
@@ -163,6 +164,11 @@ def test_disk_full_during_checkpoint_names_the_cause_and_keeps_previous(tiny_dat
 def config_exit() -> int:
     from nanochat_cpu.dist import EXIT_CONFIG
     return EXIT_CONFIG
+
+
+def mismatch_exit() -> int:
+    from nanochat_cpu.dist import EXIT_MISMATCH
+    return EXIT_MISMATCH
 
 
 def test_silent_peer_is_given_up_on_after_the_collective_timeout(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
@@ -245,7 +251,7 @@ def test_bad_flag_stops_every_rank_before_rendezvous_and_touches_no_checkpoint(t
                                                                               tiny_tokenizer_dir, tmp_path):
     runs = [copy_run(trained_run, tmp_path / f"node{r}") for r in range(2)]
     outs = two_nodes_fail([tiny_flags(tiny_data_dir, tiny_tokenizer_dir, run, collective_timeout="nan")
-                           for run, _ in runs])
+                           for run, _ in runs], code=config_exit())
     for out in outs:  # each node's own rank says it, before any rendezvous
         assert "FATAL: --collective-timeout=nan: must be a finite number" in out, out
         assert "fingerprint" not in out and "backend=" not in out
@@ -296,7 +302,7 @@ def test_empty_and_corrupt_shards_stop_every_rank_with_the_file_names(trained_ru
     for name in ("shard_00001.parquet", "shard_00002.parquet"):
         rewrite_manifest_entry(bad, name)  # the manifest agrees: only the contents are bad
     runs = [copy_run(trained_run, tmp_path / f"node{r}") for r in range(2)]
-    outs = two_nodes_fail([tiny_flags(bad, tiny_tokenizer_dir, run) for run, _ in runs])
+    outs = two_nodes_fail([tiny_flags(bad, tiny_tokenizer_dir, run) for run, _ in runs], code=config_exit())
     for out in outs:
         assert "fingerprint agreed" in out  # identical on both nodes: caught by the content check
         assert "shard_00001.parquet: empty shard (0 rows)" in out
@@ -312,7 +318,7 @@ def test_missing_data_dir_on_one_node_stops_both_naming_that_node(trained_run, t
     the rendezvous for the whole --collective-timeout); both stop together, naming node 1."""
     runs = [copy_run(trained_run, tmp_path / f"node{r}") for r in range(2)]
     outs = two_nodes_fail([tiny_flags(data, tiny_tokenizer_dir, run) for (run, _), data in
-                           zip(runs, [tiny_data_dir, tmp_path / "nope"], strict=True)])
+                           zip(runs, [tiny_data_dir, tmp_path / "nope"], strict=True)], code=config_exit())
     for out in outs:
         assert f"bad inputs, no rank starts: rank 1@{socket.gethostname()}: --data-dir={tmp_path / 'nope'}: " \
                "no such directory (run site.yml to push it)" in out, out
@@ -338,7 +344,7 @@ def test_tokenizer_on_one_node_only_stops_both_with_the_fingerprint(trained_run,
                                                                     other_tokenizer_dir, tmp_path):
     runs = [copy_run(trained_run, tmp_path / f"node{r}") for r in range(2)]
     outs = two_nodes_fail([tiny_flags(tiny_data_dir, tok, run) for (run, _), tok in
-                           zip(runs, [tiny_tokenizer_dir, other_tokenizer_dir], strict=True)])
+                           zip(runs, [tiny_tokenizer_dir, other_tokenizer_dir], strict=True)], code=mismatch_exit())
     for out in outs:
         assert "run fingerprint mismatch" in out and "file tokenizer/tokenizer.json" in out
         assert "re-run site.yml" in out
@@ -350,7 +356,7 @@ def test_resuming_with_another_tokenizer_is_refused_by_name(trained_run, tiny_da
                                                             tmp_path):
     runs = [copy_run(trained_run, tmp_path / f"node{r}") for r in range(2)]
     outs = two_nodes_fail([tiny_flags(tiny_data_dir, other_tokenizer_dir, run, num_iterations=16)
-                           for run, _ in runs])
+                           for run, _ in runs], code=config_exit())
     for out in outs:
         assert "checkpoint" in out and "step_000012 was trained with another tokenizer" in out, out
         assert "vocab 512" in out and "vocab 300" in out and "--resume never" in out

@@ -25,8 +25,9 @@ def node_env(threads: int = 1) -> dict[str, str]:
 
 
 def torchrun_cmd(nproc: int, port: int, target: list[str], nnodes: int = 1, node_rank: int = 0) -> list[str]:
-    """torchrun with static rendezvous on loopback; `target` is `-m module args` or `script args`."""
-    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
+    """The units' launcher (torchrun keeping the workers' exit code) with static rendezvous on
+    loopback; `target` is `-m module args` or `script args`."""
+    return [sys.executable, "-m", "nanochat_cpu.launch", f"--nnodes={nnodes}", f"--nproc-per-node={nproc}",
             f"--node-rank={node_rank}", "--master-addr=127.0.0.1", f"--master-port={port}", *target]
 
 

@@ -108,7 +108,7 @@ class Cluster:
 
     def unit(self, node: str, unit: str) -> dict[str, str]:
         out = self.sh(node, f"systemctl show {unit} -p ActiveState -p SubState -p NRestarts -p InvocationID "
-                            "-p MainPID -p UnitFileState -p Result", check=False)
+                            "-p MainPID -p UnitFileState -p Result -p ExecMainStatus", check=False)
         return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
     def trainers(self, node: str) -> list[int]:
@@ -270,8 +270,7 @@ def event_kill(c: Cluster, unit: str, node: str, at_least: int, since: float) ->
     return m
 
 
-def event_stop_container(c: Cluster, unit: str, node: str, at_least: int, away_s: float,
-                         require_autostart: bool, since: float) -> dict:
+def event_stop_container(c: Cluster, unit: str, node: str, at_least: int, away_s: float, since: float) -> dict:
     wait_mid_interval(c, unit, at_least)
     t0 = time.time()
     subprocess.run(["podman", "stop", c.ct(node)], check=True, capture_output=True, timeout=120)
@@ -290,14 +289,9 @@ def event_stop_container(c: Cluster, unit: str, node: str, at_least: int, away_s
              "survivors_while_away": {n: f"{u['ActiveState']}/{u['SubState']}" for n, u in away.items()}}
     for n, u in away.items():
         expect(u["ActiveState"] in ("active", "activating"), f"{n} gave up while {node} was away: {u}")
-    if not autostart:
-        expect(not require_autostart, f"{node}'s {unit} did not start when the node came back "
-               f"(UnitFileState={extra['unit_file_state']}): the unit must be enabled for the run")
-        # nanochat-train@ has no [Install] and run_start does not enable it: a rebooted node does
-        # not rejoin by itself. The operator's step until it does (docs/FAULTS.md):
-        log(f"WARNING: {node}'s {unit} did not start at boot ({extra['unit_file_state']}); starting it by hand")
-        c.sh(node, f"systemctl start {unit}")
-        extra["manual_start_s"] = round(time.time() - t0, 1)
+    # run_start enabled the run's instance: the node rejoins at boot, nobody starts it by hand
+    expect(autostart, f"{node}'s {unit} did not start when the node came back "
+           f"(UnitFileState={extra['unit_file_state']}): the unit must be enabled for the run")
     m = resume_after(c, unit, t0, node, timeout=420)
     m.update(extra)
     check_resume(c, unit, t0, m, node, since)
@@ -307,7 +301,7 @@ def event_stop_container(c: Cluster, unit: str, node: str, at_least: int, away_s
 EVENTS = ("kill-worker", "stop-worker", "kill-master")
 
 
-def case_node_loss(c: Cluster, report: dict, events: list[str], require_autostart: bool) -> None:
+def case_node_loss(c: Cluster, report: dict, events: list[str]) -> None:
     run = "faults-loss"
     unit = f"nanochat-train@{run}.service"
     iters = 150  # ~0.3 s a step: still running after the refused train.yml and three faults
@@ -348,7 +342,7 @@ def case_node_loss(c: Cluster, report: dict, events: list[str], require_autostar
         elif event == "kill-master":
             m = event_kill(c, unit, c.master, at_least, t_start)
         else:
-            m = event_stop_container(c, unit, c.workers[0], at_least, 60, require_autostart, t_start)
+            m = event_stop_container(c, unit, c.workers[0], at_least, 60, t_start)
         res[event] = m
         at_least = m["resumed_from"] + CHECKPOINT_EVERY
         log(f"{event}: " + json.dumps({k: v for k, v in m.items() if k not in c.nodes}))
@@ -362,6 +356,8 @@ def case_node_loss(c: Cluster, report: dict, events: list[str], require_autostar
     for n in c.nodes:
         u = c.unit(n, unit)
         expect(u["ActiveState"] == "inactive" and u["Result"] == "success", f"{n}: {unit} ended {u}")
+        # a finished run disables itself: it must not start alone at the next boot
+        expect(u["UnitFileState"] == "disabled", f"{n}: {unit} is still {u['UnitFileState']} after the run finished")
         ck = c.sh(n, f"cat /var/lib/nanochat/runs/{run}/checkpoints/step_{iters:06d}/COMPLETE", check=False)
         expect(f'"step": {iters}' in ck, f"{n}: no complete checkpoint for step {iters}")
         starts = len([1 for _, msg in c.journal(n, unit, t_start) if msg.startswith("Started nanochat-train")])
@@ -435,6 +431,13 @@ def case_drift(c: Cluster, report: dict) -> None:
             got = {n: first(c.journal(n, unit, t0), r"FATAL") for n in c.nodes}
             return got if all(got.values()) else None
         fatal = wait_for("every rank's fingerprint message", all_fatal, timeout=240)
+        # exit 3 (ranks disagree) is in RestartPreventExitStatus: each unit fails once, no restart loop
+        def all_failed():
+            got = {n: c.unit(n, unit) for n in c.nodes}
+            return got if all(u["ActiveState"] == "failed" for u in got.values()) else None
+        ended = wait_for("every unit to fail without a restart", all_failed, timeout=60)
+        for n, u in ended.items():
+            expect(u["NRestarts"] == "0" and u["ExecMainStatus"] == "3", f"{n}: expected exit 3 and no restart: {u}")
         for n in c.nodes:
             c.sh(n, f"systemctl stop {unit}; systemctl reset-failed {unit} || true")
         res["by_hand"] = {}
@@ -519,8 +522,6 @@ def main() -> int:
     p.add_argument("--report", type=Path, required=True, help="JSON file the measurements are merged into")
     p.add_argument("--events", default=",".join(EVENTS),
                    help=f"node-loss faults, in order, comma-separated (default: all of {', '.join(EVENTS)})")
-    p.add_argument("--require-autostart", action="store_true",
-                   help="fail when a restarted node's unit does not start by itself (it is not enabled yet)")
     p.add_argument("cases", nargs="+", choices=sorted(CASES))
     args = p.parse_args()
     events = [e for e in args.events.split(",") if e]
@@ -537,7 +538,7 @@ def main() -> int:
             if name == "network":
                 case_network(c, report, args.report.parent)
             elif name == "node-loss":
-                case_node_loss(c, report, events, args.require_autostart)
+                case_node_loss(c, report, events)
             else:
                 case_drift(c, report)
             report.setdefault(name, {})["case_s"] = round(time.time() - t0, 1)
