@@ -81,6 +81,7 @@ def worker(args: argparse.Namespace) -> None:
         x, y = next(batches)
         t1 = time.perf_counter()
         loss = fwd(x, y)
+        opt.sync_in_backward = args.overlap == "on"
         (loss / world).backward()
         t2 = time.perf_counter()
         opt.step()
@@ -119,7 +120,7 @@ def launch(args: argparse.Namespace, depth: int, nproc: int, compile_mode: str) 
     common = ["--depth", str(depth), "--compile", compile_mode, "--steps", str(args.steps),
               "--warmup", str(args.warmup), "--max-seq-len", str(args.max_seq_len),
               "--total-batch-size", str(args.total_batch_size), "--vocab-size", str(args.vocab_size),
-              "--muon-dtype", args.muon_dtype]
+              "--muon-dtype", args.muon_dtype, "--overlap", args.overlap]
     if args.tokenizer_dir:
         common += ["--data-dir", args.data_dir, "--tokenizer-dir", args.tokenizer_dir]
     if nproc == 1:
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--total-batch-size", type=int, default=1024)
     p.add_argument("--vocab-size", type=int, default=32768, help="nanochat's vocabulary, for comparison")
     p.add_argument("--muon-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
+    p.add_argument("--overlap", choices=("on", "off"), default="on",
+                   help="start gradient reduce-scatters from backward hooks (the trainer always does)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--tokenizer-dir", default=None)
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="threads split over the processes")

@@ -415,7 +415,7 @@ def run(cfg: TrainConfig) -> None:
     while step < cfg.num_iterations:
         t0 = time.perf_counter()
         loss_sum = 0.0
-        for _ in range(accum):
+        for micro in range(accum):
             try:
                 x, y = next(batches)
             except Exception as exc:  # noqa: BLE001 - a shard unreadable mid-run: name it, not a traceback
@@ -426,6 +426,8 @@ def run(cfg: TrainConfig) -> None:
             x, y = x.to(env.device), y.to(env.device)
             with ctx:
                 loss = train_model(x, y)
+            # the last backward starts each group's gradient reduce as soon as that group is done
+            opt.sync_in_backward = micro == accum - 1
             (loss * loss_scale).backward()
             loss_sum += loss.item()
         t_compute = time.perf_counter() - t0
