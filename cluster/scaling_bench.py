@@ -1,0 +1,224 @@
+#!/usr/bin/env python3
+"""Does adding a node make training faster? Measure it on the local container cluster.
+
+    sudo .venv/bin/python cluster/scaling_bench.py                   # the README's table
+    sudo .venv/bin/python cluster/scaling_bench.py --depths 4 --links none,100mbit --nodes 3
+
+Needs the local cluster up and provisioned (`make cluster-up`, then `ansible-playbook site.yml`)
+and no training unit running. For each configuration it sets every node's CPU limit
+(`podman update --cpus`) and link rate (cluster/shape.sh: tbf both ways), then runs the real
+trainer on the chosen nodes exactly as the units do (nanochat_cpu.launch, static rendezvous on
+the master's LAN address, GLOO_SOCKET_IFNAME = the node's interface), on the provisioned corpus
+and tokenizer, and reads rank 0's step lines.
+
+    solo tok/s   each node alone, at its CPU limit
+    efficiency   cluster tok/s / sum of the participating nodes' solo tok/s
+    vs fastest   cluster tok/s / the fastest participating node's solo tok/s (must be >= 1)
+
+CPU shares: `even` gives every node --cpu-even CPUs; `half` gives node1 half of that (the laptop).
+Split `off` = the same rows on every rank; `on` = --rank-batch-sizes auto (measured at start).
+Results go to build/scaling.json as they come, the table to stdout at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+VENV = "/opt/nanochat/venv/bin/python"
+STATE = "/var/lib/nanochat"
+STEP = re.compile(r"step (\d+)/\d+ .*?dt_ms=(\d+) tok_per_s=(\d+).*?compute_ms=(\d+) optim_ms=(\d+) comm_wait_ms=(\d+)")
+
+
+@dataclass
+class Node:
+    name: str
+    container: str
+    ipv4: str
+    interface: str
+    cpus: float | None  # the inventory's node_cpus, restored at the end
+
+
+@dataclass
+class Result:
+    depth: int
+    nodes: int
+    link: str
+    cpu: str
+    split: str
+    tok_per_s: float
+    step_ms: float
+    compute_ms: float
+    optim_ms: float
+    comm_wait_ms: float
+    rows: str
+    efficiency: float | None = None
+    vs_fastest: float | None = None
+
+
+def sh(cmd: list[str], timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise SystemExit(f"scaling_bench: {' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}"
+                         f"\n{proc.stderr[-3000:]}")
+    return proc
+
+
+def read_inventory(inventory: Path) -> tuple[list[Node], str]:
+    raw = json.loads(sh([str(REPO / ".venv/bin/ansible-inventory"), "-i", str(inventory), "--list"]).stdout)
+    hostvars = raw["_meta"]["hostvars"]
+    order = raw.get("master", {}).get("hosts", []) + raw.get("workers", {}).get("hosts", [])
+    nodes = [Node(h, hostvars[h]["ansible_host"], hostvars[h]["node_ipv4"], hostvars[h]["train_interface"],
+                  hostvars[h].get("node_cpus")) for h in order]
+    dataset = next((v.get("dataset_name") for v in hostvars.values() if v.get("dataset_name")), "fortunes")
+    return nodes, dataset
+
+
+def set_cpu(node: Node, cpus: float | None) -> None:
+    sh(["podman", "update", f"--cpus={cpus or 0}", node.container])  # 0 = no limit
+
+
+def set_link(node: Node, rate: str) -> None:
+    sh([str(REPO / "cluster/shape.sh"), node.container, node.interface, rate])
+
+
+def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: str, dataset: str) -> Result:
+    world = len(nodes)
+    rows = args.rows_per_rank
+    flags = ["--depth", str(depth), "--max-seq-len", str(args.seq), "--device-batch-size", str(rows),
+             "--total-batch-size", str(args.tokens_per_step), "--num-iterations", str(args.steps),
+             "--eval-every", "0", "--eval-tokens", str(args.seq * rows * world), "--sample-every", "0",
+             "--checkpoint-every", "0", "--checksum-every", "0", "--tracking-uri", "none", "--compile", "off",
+             "--resume", "never", "--collective-timeout", "900", "--run-name", "scaling",
+             "--data-dir", f"{STATE}/data/{dataset}", "--tokenizer-dir", f"{STATE}/tokenizer/{dataset}",
+             "--out-dir", "/tmp/nanochat-scaling"]
+    if split == "on" and world > 1:
+        flags += ["--rank-batch-sizes", "auto"]
+    procs = []
+    for rank, node in enumerate(nodes):
+        env = {"GLOO_SOCKET_IFNAME": node.interface, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+        cmd = ["podman", "exec", *[f"--env={k}={v}" for k, v in env.items()], node.container, "sh", "-c",
+               "rm -rf /tmp/nanochat-scaling && exec " + " ".join(
+                   [VENV, "-m", "nanochat_cpu.launch", f"--nnodes={world}", "--nproc-per-node=1",
+                    f"--node-rank={rank}", f"--master-addr={nodes[0].ipv4}", "--master-port=29500",
+                    "--max-restarts=0", "-m", "nanochat_cpu.train", *flags])]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = []
+    for p in procs:
+        try:
+            outs.append(p.communicate(timeout=args.run_timeout)[0])
+        except subprocess.TimeoutExpired as exc:
+            for q in procs:
+                q.kill()
+            raise SystemExit(f"scaling_bench: a run took over {args.run_timeout}s ({[n.name for n in nodes]})") from exc
+    for p, out, node in zip(procs, outs, nodes, strict=True):
+        if p.returncode != 0:
+            raise SystemExit(f"scaling_bench: the trainer failed on {node.name}:\n{out[-4000:]}")
+    steps = [tuple(map(int, m.groups())) for m in STEP.finditer(outs[0])]
+    measured = [s for s in steps if s[0] > args.warmup_steps]
+    if not measured:
+        raise SystemExit(f"scaling_bench: no step lines after warmup in rank 0's output:\n{outs[0][-3000:]}")
+    mean = {k: statistics.mean(s[i] for s in measured)
+            for i, k in ((1, "dt"), (3, "compute"), (4, "optim"), (5, "comm"))}
+    split_line = re.search(r"rows \[([0-9, ]+)\]", outs[0])
+    return Result(depth=depth, nodes=world, link="", cpu="", split=split,
+                  tok_per_s=round(args.tokens_per_step / (mean["dt"] / 1000), 1), step_ms=round(mean["dt"]),
+                  compute_ms=round(mean["compute"]), optim_ms=round(mean["optim"]),
+                  comm_wait_ms=round(mean["comm"]), rows=split_line.group(1).replace(" ", "") if split_line else "")
+
+
+def cpu_plan(nodes: list[Node], mode: str, even: float) -> dict[str, float]:
+    plan = {n.name: even for n in nodes}
+    if mode == "half" and len(nodes) > 1:
+        plan[nodes[1].name] = even / 2
+    return plan
+
+
+def print_table(results: list[Result]) -> None:
+    cols = ["depth", "nodes", "link", "cpu", "split", "rows", "tok_per_s", "efficiency", "vs_fastest", "step_ms",
+            "compute_ms", "optim_ms", "comm_wait_ms"]
+    print("| " + " | ".join(cols) + " |")
+    print("|" + "---|" * len(cols))
+    for r in results:
+        d = asdict(r)
+        print("| " + " | ".join("" if d[c] is None else str(d[c]) for c in cols) + " |", flush=True)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], epilog=__doc__.split("\n", 2)[2],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--inventory", type=Path, default=REPO / "inventory/local")
+    p.add_argument("--depths", default="4,8")
+    p.add_argument("--nodes", default="2,3", help="cluster sizes to measure (solo runs are always measured)")
+    p.add_argument("--links", default="none,1gbit,100mbit", help="tc rates; none = unlimited")
+    p.add_argument("--cpus", default="even,half")
+    p.add_argument("--splits", default="off,on", help="split by speed; 'on' is only run with uneven CPU")
+    p.add_argument("--cpu-even", type=float, default=0.6, help="CPUs per node (the host has 2 for all of them)")
+    p.add_argument("--seq", type=int, default=512)
+    p.add_argument("--rows-per-rank", type=int, default=2, help="--device-batch-size (the split moves rows)")
+    p.add_argument("--tokens-per-step", type=int, default=6144, help="divisible by seq x rows x every world size")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--run-timeout", type=float, default=1200)
+    p.add_argument("--out", type=Path, default=REPO / "build/scaling.json")
+    args = p.parse_args()
+    nodes, dataset = read_inventory(args.inventory)
+    depths = [int(d) for d in args.depths.split(",")]
+    sizes = [int(n) for n in args.nodes.split(",") if 1 < int(n) <= len(nodes)]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    results: list[Result] = []
+
+    def record(r: Result) -> None:
+        results.append(r)
+        args.out.write_text(json.dumps([asdict(x) for x in results], indent=1))
+        print("# " + json.dumps(asdict(r)), file=sys.stderr, flush=True)
+
+    for n in nodes:
+        set_link(n, "none")
+    solo: dict[tuple[int, float], float] = {}  # (depth, cpus) -> tok/s; the nodes are identical but for CPU
+    for depth in depths:
+        for cpus in sorted({args.cpu_even, args.cpu_even / 2} if "half" in args.cpus else {args.cpu_even}):
+            set_cpu(nodes[0], cpus)
+            r = run_trainer(nodes[:1], args, depth, "off", dataset)
+            r.link, r.cpu = "-", f"{cpus:g}"
+            solo[(depth, cpus)] = r.tok_per_s
+            r.efficiency, r.vs_fastest = 1.0, 1.0
+            record(r)
+    for depth in depths:
+        for link in args.links.split(","):
+            for n in nodes:
+                set_link(n, link)
+            for size in sizes:
+                members = nodes[:size]
+                for mode in args.cpus.split(","):
+                    plan = cpu_plan(members, mode, args.cpu_even)
+                    for n in members:
+                        set_cpu(n, plan[n.name])
+                    for split in args.splits.split(","):
+                        if split == "on" and mode == "even":
+                            continue  # the measured split of equal nodes is the even split
+                        t0 = time.time()
+                        r = run_trainer(members, args, depth, split, dataset)
+                        r.link, r.cpu = link if link != "none" else "unlimited", mode
+                        solos = [solo[(depth, plan[n.name])] for n in members]
+                        r.efficiency = round(r.tok_per_s / sum(solos), 2)
+                        r.vs_fastest = round(r.tok_per_s / max(solos), 2)
+                        record(r)
+                        print(f"# {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
+    for n in nodes:  # back to what the inventory says
+        set_link(n, "none")
+        set_cpu(n, n.cpus)
+    print_table(results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
