@@ -50,7 +50,8 @@ RUN_VARS = {
     "sample_every": 0, "checkpoint_every": CHECKPOINT_EVERY,
     "train_extra_args": f"--collective-timeout {COLLECTIVE_TIMEOUT}",
 }
-TRAINER = "python3 -u -m nanochat_cpu.train"  # the worker's command line (torchrun's own differs)
+# a worker's command line, as the launcher (torchrun's agent) starts it with its own interpreter
+TRAINER = "python3? -u -m nanochat_cpu.train"
 STEP = re.compile(r"\] step (\d+)/(\d+) loss=([0-9.]+|nan|inf)")
 
 
