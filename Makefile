@@ -18,7 +18,7 @@ WORKERS ?=
 DEPTH ?= 4
 ITERATIONS ?= 50
 # Molecule scenarios `make test` runs.
-SCENARIOS ?= default add-node
+SCENARIOS ?= default
 
 INVENTORY := inventory/local
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
