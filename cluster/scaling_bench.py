@@ -86,19 +86,9 @@ def set_cpu(node: Node, cpus: float | None) -> None:
     sh(["podman", "update", f"--cpus={cpus or 0}", node.container])  # 0 = no limit
 
 
-RATE = re.compile(r"^(\d+)(k|m|g)bit$")
-
-
 def set_link(node: Node, rate: str) -> None:
-    """tbf at `rate`, with a bucket of 10 ms of traffic: tbf's 32 kbit default bucket holds
-    under 1 ms at 1 Gbit/s and caps the link far below its rate."""
-    m = RATE.match(rate)
-    if not m:
-        sh([str(REPO / "cluster/shape.sh"), node.container, node.interface, rate])
-        return
-    bits = int(m.group(1)) * {"k": 10**3, "m": 10**6, "g": 10**9}[m.group(2)]
-    burst_kbit = max(32, bits // 100 // 1000)
-    sh([str(REPO / "cluster/shape.sh"), node.container, node.interface, rate, f"{burst_kbit}kbit"])
+    """tbf at `rate` both ways, with shape.sh's default bucket (10 ms of traffic)."""
+    sh([str(REPO / "cluster/shape.sh"), node.container, node.interface, rate])
 
 
 def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: str, dataset: str) -> Result:

@@ -4,9 +4,22 @@
 #   ingress: on the host end of the node's veth pair (its egress is the node's ingress).
 # usage: cluster/shape.sh CONTAINER IFACE RATE|none [BURST] [LATENCY]
 #   RATE as tc writes it (100mbit, 20mbit, 1gbit); none removes the limit.
+#   BURST defaults to 10 ms of traffic at RATE (at least 32kbit): a bucket much smaller than
+#   that (tbf examples use 32kbit, under 1 ms at 1 Gbit/s) caps the link far below its rate.
 # Prints "changed" when it changed something, "unchanged" otherwise. Run as root on the host.
 set -euo pipefail
-container=$1 iface=$2 rate=$3 burst=${4:-32kbit} latency=${5:-400ms}
+container=$1 iface=$2 rate=$3 latency=${5:-400ms}
+
+ten_ms_of() { # RATE -> a tbf burst holding 10 ms of traffic, at least 32kbit
+    local kbit=32 mult
+    if [[ ${1,,} =~ ^([0-9]+)(k|m|g)bit$ ]]; then
+        case ${BASH_REMATCH[2]} in k) mult=1 ;; m) mult=1000 ;; g) mult=1000000 ;; esac
+        kbit=$((BASH_REMATCH[1] * mult / 100))
+        ((kbit >= 32)) || kbit=32
+    fi
+    echo "${kbit}kbit"
+}
+burst=${4:-$(ten_ms_of "$rate")}
 
 in_node() { podman exec "$container" "$@"; }
 

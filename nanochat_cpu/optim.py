@@ -91,7 +91,7 @@ class Group:
     # N ranks: persistent buffers of shape (shard x world, *unit); parameters and grads are views
     param_buf: torch.Tensor | None = None
     grad_buf: torch.Tensor | None = None
-    views: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (data, grad) per param
+    grad_views: list[torch.Tensor] = field(default_factory=list)  # each parameter's .grad, in grad_buf
     grad_slice: torch.Tensor | None = None  # the summed gradient of the owned units
     master: torch.Tensor | None = None  # the owned units' values, updated, then all-gathered
     ready: int = 0  # parameters whose last-micro-step gradient is complete
@@ -145,7 +145,7 @@ class MuonAdamW:
             data.copy_(p.data)
             p.data = data  # the module now reads and trains the buffer itself
             p.grad = grad
-            g.views.append((data, grad))
+            g.grad_views.append(grad)
             offset += n
             if not g.sparse_rows:
                 p.register_post_accumulate_grad_hook(self._grad_ready_hook(g))
@@ -163,7 +163,7 @@ class MuonAdamW:
 
     def _grads_into_buffer(self, g: Group) -> None:
         """Make every .grad the buffer's view again (a trainer may have set grads to None)."""
-        for p, (_, grad) in zip(g.params, g.views, strict=True):
+        for p, grad in zip(g.params, g.grad_views, strict=True):
             if p.grad is None:
                 grad.zero_()
             elif p.grad.data_ptr() != grad.data_ptr():
@@ -308,7 +308,7 @@ class MuonAdamW:
                     p.grad = None
                 continue
             g.grad_buf.zero_()
-            for p, (_, grad) in zip(g.params, g.views, strict=True):
+            for p, grad in zip(g.params, g.grad_views, strict=True):
                 p.grad = grad
 
     # ---- checkpointing: each rank saves and loads only its own shard -----------------------
