@@ -33,11 +33,38 @@ def step_dir(out_dir: str, step: int) -> str:
     return os.path.join(checkpoint_root(out_dir), f"step_{step:06d}")
 
 
+class _WriteErrors:
+    """A file whose write errors are kept: torch.save turns a failed write (ENOSPC, EIO) into
+    'enforce fail ... unexpected pos', and the reason would be lost."""
+
+    def __init__(self, f):
+        self.f, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as exc:
+            self.error = self.error or exc
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
+
+    def fileno(self) -> int:
+        return self.f.fileno()
+
+
 def atomic_torch_save(obj, path: str) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            torch.save(obj, f)
+            out = _WriteErrors(f)
+            try:
+                torch.save(obj, out)
+            except RuntimeError as exc:
+                if out.error is not None:
+                    raise out.error from exc
+                raise
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

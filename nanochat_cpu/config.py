@@ -170,12 +170,13 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         )
 
 
-def host_problems(cfg: TrainConfig) -> list[str]:
+def host_problems(cfg: TrainConfig, create: bool = True) -> list[str]:
     """This host's paths: the one part of the input that can differ between the ranks' hosts.
 
     Not raised before rendezvous like `validate`: a rank that left now would leave the others
     waiting for it in the rendezvous for the whole --collective-timeout. The ranks exchange
-    these lists right after joining and all stop together, naming the host.
+    these lists right after joining and all stop together, naming the host. `create=False`
+    (the preflight) changes nothing: a missing --out-dir is judged by its nearest existing parent.
     """
     problems = []
     for name in ("data_dir", "tokenizer_dir"):
@@ -183,15 +184,19 @@ def host_problems(cfg: TrainConfig) -> list[str]:
         if not os.path.isdir(path):
             problems.append(f"--{name.replace('_', '-')}={path}: no such directory (run site.yml to push it)")
     # checkpoints go here: find out now, not at the first checkpoint, that they cannot
-    try:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-    except OSError as exc:
-        problems.append(f"--out-dir={cfg.out_dir}: cannot create it ({exc.strerror}); point it at a writable "
-                        f"directory")
+    where = cfg.out_dir
+    if create:
+        try:
+            os.makedirs(cfg.out_dir, exist_ok=True)
+        except OSError as exc:
+            return problems + [f"--out-dir={cfg.out_dir}: cannot create it ({exc.strerror}); point it at a "
+                               f"writable directory"]
     else:
-        if not os.access(cfg.out_dir, os.W_OK | os.X_OK):
-            problems.append(f"--out-dir={cfg.out_dir}: not writable by uid {os.getuid()}; fix its owner (the "
-                            f"unit runs as user nanochat) or point it elsewhere")
+        while not os.path.isdir(where) and os.path.dirname(where) != where:
+            where = os.path.dirname(os.path.abspath(where))
+    if not os.access(where, os.W_OK | os.X_OK):
+        problems.append(f"--out-dir={cfg.out_dir}: {where} is not writable by uid {os.getuid()}; fix its owner "
+                        f"(the unit runs as user nanochat) or point it elsewhere")
     return problems
 
 

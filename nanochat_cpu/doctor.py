@@ -123,6 +123,80 @@ def check_inputs(data_dir: str | None, tokenizer_dir: str | None) -> tuple[list[
     return problems, facts
 
 
+def check_run(train_flags: str, world_size: int, first_rank: int) -> list[str]:
+    """The trainer's own checks of this node's part of a run, without joining it or writing anything.
+
+    `train_flags` are the unit's TRAIN_ARGS: flag types and ranges, batch arithmetic for
+    `world_size`, this host's paths, every shard (parquet footer, rows, a row group per rank),
+    the tokenizer, and whether the node's newest checkpoint (of rank `first_rank`) can be
+    resumed with this tokenizer and model shape. train.yml's preflight runs it as the unit's
+    user, so a bad value stops the run before any unit starts, with nothing changed on the node.
+    """
+    import contextlib
+    import io
+    import shlex
+
+    from .config import ConfigError, host_problems, parse_config, validate
+
+    host = socket.gethostname()
+    usage = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(usage):
+            cfg = parse_config(shlex.split(train_flags))
+    except SystemExit:  # argparse's own line names the flag and the value
+        reason = (usage.getvalue().strip().splitlines() or ["unparsable"])[-1]
+        return [f"{host}: the trainer rejects its flags: {reason}. Fix: correct train_extra_args or the extra-var"]
+    try:
+        validate(cfg, world_size)
+    except ConfigError as exc:
+        return [f"{host}: {exc}"]
+    problems = host_problems(cfg, create=False)
+    if not problems:
+        problems = run_input_problems(cfg, world_size, first_rank)
+    return [f"{host}: {p}" for p in problems]
+
+
+def run_input_problems(cfg, world_size: int, first_rank: int) -> list[str]:
+    import torch
+
+    from . import checkpoint
+    from .data import check_dataset, sha256_file
+    from .model import GPT, model_config_from
+    from .tokenizer import Tokenizer
+    from .train import tokenizer_refusal
+
+    problems = [f"--data-dir={cfg.data_dir}: {p}" for p in check_dataset(cfg.data_dir, world_size)]
+    try:
+        tok = Tokenizer.load(cfg.tokenizer_dir)
+    except Exception as exc:  # noqa: BLE001 - any load failure is the user's to fix
+        return problems + [f"--tokenizer-dir={cfg.tokenizer_dir}: cannot load tokenizer.json: {exc}"]
+    steps = checkpoint.complete_steps(cfg.out_dir, first_rank) if cfg.resume == "auto" else []
+    if not steps:
+        return problems
+    where = checkpoint.step_dir(cfg.out_dir, steps[-1])
+    try:  # mmap: only the few small entries read are paged in
+        saved = torch.load(os.path.join(where, f"rank{first_rank}.pt"), mmap=True, weights_only=False)
+        state = torch.load(os.path.join(where, "model.pt"), mmap=True, weights_only=True)
+    except Exception as exc:  # noqa: BLE001
+        return problems + [f"checkpoint {where} is unreadable ({type(exc).__name__}: {exc}); delete it to resume "
+                           f"from the one before"]
+    sha = sha256_file(os.path.join(cfg.tokenizer_dir, "tokenizer.json"))
+    refusal = tokenizer_refusal(cfg, where, saved.get("extra", {}), sha, tok.vocab_size)
+    if refusal:
+        return problems + [refusal]
+    with torch.device("meta"):  # shapes only, no memory
+        model = GPT(model_config_from(cfg.depth, cfg.aspect_ratio, cfg.head_dim, tok.vocab_size, cfg.max_seq_len,
+                                      cfg.window_pattern))
+    want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    have = {k: tuple(v.shape) for k, v in state.items()}
+    if want != have:
+        differ = sorted(k for k in want.keys() | have.keys() if want.get(k) != have.get(k))
+        problems.append(f"checkpoint {where} does not fit this model (--depth {cfg.depth}, vocab {tok.vocab_size}): "
+                        f"{len(differ)} tensors differ, e.g. {differ[0]} {have.get(differ[0])} vs "
+                        f"{want.get(differ[0])}. Fix: the run's original settings, or a new run_name")
+    return problems
+
+
 def check_device(device: str) -> tuple[list[str], dict]:
     import torch
 
@@ -154,6 +228,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="process names allowed to hold the port (our own running unit)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--tokenizer-dir", default=None)
+    p.add_argument("--train-flags", default=None,
+                   help="the run's trainer flags (the unit's TRAIN_ARGS): check them and their inputs here")
+    p.add_argument("--world-size", type=int, default=1, help="ranks in the run (for --train-flags)")
+    p.add_argument("--first-rank", type=int, default=0, help="this node's first rank (for --train-flags)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -165,6 +243,8 @@ def main(argv: list[str] | None = None) -> int:
     more, data_facts = check_inputs(args.data_dir, args.tokenizer_dir)
     problems += more
     facts.update(data_facts)
+    if args.train_flags is not None:
+        problems += check_run(args.train_flags, args.world_size, args.first_rank)
     facts["host"] = socket.gethostname()
     if args.json:
         print(json.dumps({"facts": facts, "problems": problems}))

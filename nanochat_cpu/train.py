@@ -230,21 +230,42 @@ def save_checkpoint(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW, 
     rank_state = {"step": step, "optimizer": opt.state_dict(), "loader": loader.state_dict(),
                   "rng": torch.get_rng_state(), "extra": extra}
     model_state = model.state_dict() if env.local_rank == 0 else None
+    error = None
     try:
         checkpoint.save_rank_files(cfg.out_dir, step, env.rank, env.local_rank, model_state, rank_state)
     except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
         done = checkpoint.complete_steps(cfg.out_dir, env.rank)
-        fail(env, EXIT_CONFIG, f"cannot write checkpoint step {step} under {cfg.out_dir}: {type(exc).__name__}: "
-                               f"{exc}. Earlier checkpoints are untouched (newest complete: "
-                               f"{done[-1] if done else 'none'}). Fix: free space on {env.host} or move "
-                               f"--out-dir, then restart: the run resumes from there")
+        error = (f"cannot write checkpoint step {step} under {cfg.out_dir}: {type(exc).__name__}: {exc}. Earlier "
+                 f"checkpoints are untouched (newest complete: {done[-1] if done else 'none'}). Fix: free space "
+                 f"on {env.host} or move --out-dir, then start the run again: it resumes from there")
+    errors = [error]
     if env.distributed:
-        with watchdog.phase("barrier checkpoint", step):
-            dist.barrier()
+        # instead of a plain barrier: every rank learns whether every write succeeded, so a full
+        # disk on one node stops all ranks with its reason (exit 2, no restart loop) rather than
+        # leaving the others to time out in the next collective and restart without it
+        errors = [None] * env.world_size
+        with watchdog.phase("all_gather checkpoint status", step):
+            dist.all_gather_object(errors, error)
+    failed = [f"rank {r}@{env.hosts[r]}: {e}" if env.distributed else e for r, e in enumerate(errors) if e]
+    if failed:
+        fail(env, EXIT_CONFIG, " | ".join(failed))
     if env.local_rank == 0:
         checkpoint.mark_complete(cfg.out_dir, step, ranks_on_this_node(env), cfg.keep_checkpoints)
     log(env, f"checkpoint step {step} saved to {checkpoint.step_dir(cfg.out_dir, step)} "
              f"in {time.perf_counter() - t0:.2f}s")
+
+
+START_AFRESH = "start afresh with another --run-name / --out-dir (or --resume never)"
+
+
+def tokenizer_refusal(cfg: TrainConfig, where: str, saved: dict, tokenizer_sha: str, vocab_size: int) -> str | None:
+    """Why the checkpoint at `where` (its saved `extra`) must not be resumed with this tokenizer."""
+    if saved.get("tokenizer_sha256", tokenizer_sha) == tokenizer_sha:
+        return None
+    return (f"checkpoint {where} was trained with another tokenizer (sha256 {saved['tokenizer_sha256'][:16]}, "
+            f"vocab {saved.get('vocab_size', '?')}) than --tokenizer-dir={cfg.tokenizer_dir} "
+            f"(sha256 {tokenizer_sha[:16]}, vocab {vocab_size}): its token ids mean other strings. Fix: push the "
+            f"run's original tokenizer again (site.yml), or {START_AFRESH}")
 
 
 def agree_on_resume_step(cfg: TrainConfig, env: DistEnv) -> int | None:
@@ -361,20 +382,15 @@ def run(cfg: TrainConfig) -> None:
     resume_step = agree_on_resume_step(cfg, env)
     if resume_step is not None:
         where = checkpoint.step_dir(cfg.out_dir, resume_step)
-        afresh = "start afresh with another --run-name / --out-dir (or --resume never)"
-        fix = f"resume from an older checkpoint by deleting {where}, or {afresh}"
+        fix = f"resume from an older checkpoint by deleting {where}, or {START_AFRESH}"
         try:
             rank_state = checkpoint.load_rank_state(cfg.out_dir, resume_step, env.rank)
             model_state = checkpoint.load_model_state(cfg.out_dir, resume_step, env.device)
         except Exception as exc:  # noqa: BLE001 - unreadable file: name it instead of a traceback
             fail(env, EXIT_CONFIG, f"checkpoint {where} is unreadable ({type(exc).__name__}: {exc}); {fix}")
-        saved = rank_state.get("extra", {})
-        if saved.get("tokenizer_sha256", tokenizer_sha) != tokenizer_sha:
-            fail(env, EXIT_CONFIG,
-                 f"checkpoint {where} was trained with another tokenizer (sha256 {saved['tokenizer_sha256'][:16]}, "
-                 f"vocab {saved.get('vocab_size', '?')}) than --tokenizer-dir={cfg.tokenizer_dir} "
-                 f"(sha256 {tokenizer_sha[:16]}, vocab {tokenizer.vocab_size}): its token ids mean other "
-                 f"strings. Fix: push the run's original tokenizer again (site.yml), or {afresh}")
+        refusal = tokenizer_refusal(cfg, where, rank_state.get("extra", {}), tokenizer_sha, tokenizer.vocab_size)
+        if refusal:
+            fail(env, EXIT_CONFIG, refusal)
         try:
             model.load_state_dict(model_state)
         except RuntimeError as exc:

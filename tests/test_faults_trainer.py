@@ -161,6 +161,43 @@ def test_disk_full_during_checkpoint_names_the_cause_and_keeps_previous(tiny_dat
     torch.load(out / "checkpoints" / "step_000004" / "model.pt", weights_only=True)
 
 
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="mounts a 1 MiB tmpfs")
+def test_a_really_full_disk_is_named_not_reported_as_a_zip_error(tmp_path):
+    """torch.save itself reports ENOSPC as 'enforce fail ... unexpected pos'; the operator must
+    read 'No space left on device', and the partial file must be gone."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "faults-test", str(small)], check=True)
+    try:
+        with pytest.raises(OSError, match="No space left on device"):
+            checkpoint.atomic_torch_save({"w": torch.zeros(1 << 20)}, str(small / "model.pt"))
+        assert list(small.iterdir()) == []
+        checkpoint.atomic_torch_save({"w": torch.arange(4)}, str(small / "model.pt"))  # fits: written whole
+        assert torch.equal(torch.load(small / "model.pt")["w"], torch.arange(4))
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+
+def test_disk_full_on_one_node_stops_every_rank_naming_it(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """Rank 1's node runs out of space at step 8: both ranks exit 2 (no restart loop) naming rank 1,
+    instead of rank 0 timing out in the next collective and being restarted without it."""
+    port = free_port()
+    nodes = []
+    for rank in range(2):
+        env = node_env()
+        env.update(FAULT_RANK="1", FAULT_STEP="8", FAULT_FILE="rank1.pt", FAULT_MODE="enospc")
+        nodes.append(spawn_node(2, rank, port, [FAULT_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir,
+                                                                          tmp_path / f"node{rank}")], env=env))
+    t0 = time.monotonic()
+    results = [finish(p, timeout=180) for p in nodes]
+    for rank, (code, out, _) in enumerate(results):
+        assert code == config_exit(), out
+        assert "FATAL: rank 1@" in out and "cannot write checkpoint step 8" in out, out
+        assert "No space left on device" in out and "newest complete: 4" in out, out
+        assert checkpoint.complete_steps(str(tmp_path / f"node{rank}"), rank) == [4]
+    assert time.monotonic() - t0 < 120
+
 def config_exit() -> int:
     from nanochat_cpu.dist import EXIT_CONFIG
     return EXIT_CONFIG
@@ -403,3 +440,62 @@ def test_foreign_process_on_master_port_fails_torchrun_at_once_naming_the_port(t
     assert "EADDRINUSE" in out and f"port: {port}" in out, out[-3000:]
     assert not (tmp_path / "run" / "checkpoints").exists()
 
+
+
+# ---- the preflight's run check: the trainer's own checks, on one node, before any unit starts ----
+
+def run_check(flags: list[str], world_size: int = 2, first_rank: int = 0) -> list[str]:
+    from nanochat_cpu.doctor import check_run
+    return check_run(" ".join(flags), world_size, first_rank)
+
+
+def test_run_check_passes_good_inputs_and_writes_nothing(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    out = tmp_path / "runs" / "new"
+    assert run_check(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, out)) == []
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(("over", "message"), [
+    ({"matrix-lr": "fast"}, "argument --matrix-lr: invalid float value: 'fast'"),
+    ({"dtype": "fp16"}, "argument --dtype: invalid choice: 'fp16'"),
+    ({"total-batch-size": 300}, "--total-batch-size=300 is not divisible by"),
+    ({"depth": 0}, "--depth=0"),
+])
+def test_run_check_names_a_bad_flag(over, message, tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    [problem] = run_check(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / "run", **over))
+    assert problem.startswith(f"{socket.gethostname()}: ") and message in problem, problem
+
+
+def test_run_check_names_bad_shards_missing_dirs_and_an_unwritable_out_dir(tiny_data_dir, tiny_tokenizer_dir,
+                                                                         tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_data_dir, bad)
+    write_empty_shard(bad / "shard_00001.parquet")
+    (bad / "shard_00002.parquet").write_bytes(os.urandom(4096))
+    for name in ("shard_00001.parquet", "shard_00002.parquet"):
+        rewrite_manifest_entry(bad, name)
+    problems = run_check(tiny_flags(bad, tiny_tokenizer_dir, tmp_path / "run"))
+    assert len(problems) == 2, problems
+    assert "shard_00001.parquet: empty shard (0 rows)" in problems[0]
+    assert "shard_00002.parquet: not a readable parquet file" in problems[1]
+
+    [problem] = run_check(tiny_flags(tmp_path / "nowhere", tiny_tokenizer_dir, tmp_path / "run"))
+    assert "--data-dir=" in problem and "no such directory" in problem
+    locked = tmp_path / "locked"
+    locked.mkdir(mode=0o500)
+    if os.getuid() != 0:  # root may write anywhere; the preflight runs the check as the unit's user
+        [problem] = run_check(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, locked / "run"))
+        assert "is not writable by uid" in problem
+
+
+def test_run_check_refuses_to_resume_with_another_tokenizer_or_depth(trained_run, tiny_data_dir, tiny_tokenizer_dir,
+                                                                     other_tokenizer_dir, tmp_path):
+    run, digest = copy_run(trained_run, tmp_path / "node0")
+    [problem] = run_check(tiny_flags(tiny_data_dir, other_tokenizer_dir, run))
+    assert "step_000012 was trained with another tokenizer" in problem and "vocab 300" in problem, problem
+    [problem] = run_check(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, run, depth=3))
+    assert "step_000012 does not fit this model (--depth 3" in problem and "new run_name" in problem, problem
+    # the same run resumes; --resume never ignores the checkpoint; nothing was written
+    assert run_check(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, run, num_iterations=16)) == []
+    assert run_check(tiny_flags(tiny_data_dir, other_tokenizer_dir, run, resume="never")) == []
+    assert tree_digest(run / "checkpoints") == digest

@@ -38,9 +38,11 @@ def run_torchrun(nproc: int, target: list[str], timeout: float = 240, env_extra:
                           text=True, timeout=timeout, cwd=REPO)
 
 
-def spawn_node(nnodes: int, node_rank: int, port: int, target: list[str], nproc: int = 1) -> subprocess.Popen:
+def spawn_node(nnodes: int, node_rank: int, port: int, target: list[str], nproc: int = 1,
+               env: dict[str, str] | None = None) -> subprocess.Popen:
     """One 'node' of a multi-node job: its own torchrun, in its own process group (to kill it whole)."""
-    return subprocess.Popen(torchrun_cmd(nproc, port, target, nnodes=nnodes, node_rank=node_rank), env=node_env(),
+    return subprocess.Popen(torchrun_cmd(nproc, port, target, nnodes=nnodes, node_rank=node_rank),
+                            env=env or node_env(),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             start_new_session=True)
 

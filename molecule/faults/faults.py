@@ -18,6 +18,18 @@ site.yml has converged):
   network     a worker's train_interface wrong, another's an interface with only IPv6, and ufw
               on a worker dropping the Gloo range: each stopped by the preflight naming the host,
               the interface or port, and the fix; no unit starts.
+  stale       a foreign server on the master's rendezvous port, then a launcher left over from a
+              run started by hand on a worker: the preflight names each PID (and the process
+              name) with the fix; no unit starts.
+  checkpoint  a worker's run directory on a small tmpfs: filled after checkpoint 10, so its write
+              of checkpoint 20 fails: every rank stops with exit 2 naming that node and "No space
+              left on device" (no restart loop), checkpoint 10 intact everywhere, the partial file
+              gone; train.yml after freeing space resumes from 10 with the same losses; then the
+              worker's trainer SIGKILLed while it writes checkpoint 30: resumed from 20, finished.
+  inputs      bad extra-vars (type, choice, batch arithmetic), a bad trainer flag, a node without
+              its data dir, an empty and a corrupt shard pushed consistently, and resuming the
+              node-loss run with a tokenizer from another corpus or at another depth: each refused
+              naming the host, value and fix, with no node changed (env files, run dirs, units).
 
 Everything is read from the nodes' journals (timestamps are the host's clock: the containers
 share its kernel) and checkpoint directories. Each case appends its measurements to --report
@@ -80,6 +92,7 @@ class Cluster:
         self.nodes = [self.master, *self.workers]
         self.hostvars = {**groups["master"]["hosts"], **groups["workers"]["hosts"]}
         self.subnet = tree["all"]["vars"]["lan_subnet"]
+        self.master_port = int(tree["all"]["vars"].get("master_port", 29500))
 
     def ct(self, node: str) -> str:
         return self.hostvars[node]["ansible_host"]
@@ -512,9 +525,250 @@ def case_network(c: Cluster, report: dict, workdir: Path) -> None:
         expect(c.unit(n, unit).get("InvocationID", "") == "", f"{n}: {unit} started despite the preflight")
 
 
+# ---- stale processes and ports ---------------------------------------------------------------
+
+def case_stale(c: Cluster, report: dict) -> None:
+    run = "faults-stale"
+    unit = f"nanochat-train@{run}.service"
+    run_vars = {**RUN_VARS, "run_name": run, "num_iterations": 10}
+    res = report.setdefault("stale", {})
+    port = c.master_port
+    # a foreign server on the rendezvous port of the master
+    c.sh(c.master, f"systemd-run --unit faults-squatter /usr/bin/python3 -m http.server {port}")
+    try:
+        pid = wait_for("the squatter to listen", lambda: c.sh(c.master, f"ss -H -ltnp 'sport = :{port}'").strip()
+                       and c.unit(c.master, "faults-squatter.service")["MainPID"], timeout=30, every=0.5)
+        rc, out, took = c.playbook("train.yml", run_vars)
+        expect(rc != 0, "train.yml started with a foreign process on the master port")
+        want = f"{c.master}: port {port} (master_port) is held by PID {pid} (python3)"
+        line = next((ln.strip() for ln in out.splitlines() if want in ln), "")
+        expect(line != "" and f"kill {pid}" in line, f"the preflight did not say {want!r}:\n{show_train_failure(out)}")
+        res["master_port_held"] = {"seconds": round(took, 1), "message": line[:400]}
+        log(f"foreign process on the master port stopped train.yml in {took:.0f}s")
+    finally:
+        c.sh(c.master, "systemctl stop faults-squatter.service", check=False)
+    expect_no_unit(c, unit)
+
+    # a launcher left over from a run started by hand, waiting in its rendezvous on a worker
+    node = c.workers[0]
+    c.sh(node, "systemd-run --unit faults-orphan /opt/nanochat/venv/bin/python -m nanochat_cpu.launch --nnodes 2 "
+               "--node-rank 1 --nproc-per-node 1 --master-addr 127.0.0.1 --master-port 29411 "
+               "-m nanochat_cpu.train --depth 2")
+    try:
+        pid = wait_for("the orphan to run", lambda: c.unit(node, "faults-orphan.service")["MainPID"] != "0"
+                       and c.unit(node, "faults-orphan.service")["MainPID"], timeout=30, every=0.5)
+        rc, out, took = c.playbook("train.yml", run_vars)
+        expect(rc != 0, "train.yml started beside an orphan trainer")
+        want = f"{node}: trainer process {pid} runs outside any nanochat-train@ unit"
+        line = next((ln.strip() for ln in out.splitlines() if want in ln), "")
+        expect(line != "" and f"kill {pid}" in line, f"the preflight did not say {want!r}:\n{show_train_failure(out)}")
+        res["orphan_trainer"] = {"seconds": round(took, 1), "message": line[:400]}
+        log(f"orphan trainer stopped train.yml in {took:.0f}s")
+    finally:
+        c.sh(node, "systemctl stop faults-orphan.service", check=False)
+    expect_no_unit(c, unit)
+
+
+def expect_no_unit(c: Cluster, unit: str) -> None:
+    for n in c.nodes:
+        u = c.unit(n, unit)
+        expect(u.get("InvocationID", "") == "" and u.get("ActiveState") == "inactive",
+               f"{n}: {unit} was started despite the failed preflight: {u}")
+
+
+# ---- disk full and a checkpoint write cut short -----------------------------------------------
+
+def complete_steps(c: Cluster, node: str, run: str) -> list[int]:
+    out = c.sh(node, f"ls /var/lib/nanochat/runs/{run}/checkpoints/*/COMPLETE 2>/dev/null || true")
+    return sorted(int(m) for m in re.findall(r"step_(\d+)/COMPLETE", out))
+
+
+def case_checkpoint(c: Cluster, report: dict) -> None:
+    run = "faults-disk"
+    unit = f"nanochat-train@{run}.service"
+    node = c.workers[-1]
+    rundir = f"/var/lib/nanochat/runs/{run}"
+    iters = 60
+    run_vars = {**RUN_VARS, "run_name": run, "num_iterations": iters}
+    res = report.setdefault("checkpoint", {})
+    c.sh(node, f"umount {rundir}", check=False)
+    clean_run(c, run)
+    # the node's run directory on a small filesystem of its own, so it can fill up
+    c.sh(node, f"mkdir -p {rundir} && mount -t tmpfs -o size=128m,mode=0755 faults-disk {rundir} && "
+               f"chown nanochat:nanochat {rundir}")
+    try:
+        t_start = time.time()
+        rc, out, took = c.playbook("train.yml", run_vars)
+        expect(rc == 0, f"train.yml failed:\n{show_train_failure(out)}")
+        # --- disk full: once step 10's checkpoint is sealed, fill the node's disk
+        wait_for("step 10's checkpoint", lambda: 10 in complete_steps(c, node, run), timeout=300, every=0.2)
+        c.sh(node, f"dd if=/dev/zero of={rundir}/filler bs=1M 2>/dev/null || true")
+        t0 = time.time()
+        log(f"{node}: {rundir} filled")
+
+        def all_failed():
+            got = {n: c.unit(n, unit) for n in c.nodes}
+            return got if all(u["ActiveState"] == "failed" for u in got.values()) else None
+        ended = wait_for("every unit to stop on the full disk", all_failed, timeout=COLLECTIVE_TIMEOUT + 60)
+        full = {}
+        for n, u in ended.items():
+            # exit 2 is in RestartPreventExitStatus: a full disk needs a person, not a restart loop
+            expect(u["ExecMainStatus"] == "2" and u["NRestarts"] == "0", f"{n}: expected exit 2, no restart: {u}")
+            hit = first(c.journal(n, unit, t0), r"FATAL: .*cannot write checkpoint step 20")
+            expect(hit is not None and f"@{node}: cannot write checkpoint step 20" in hit[1]
+                   and "No space left on device" in hit[1] and "newest complete: 10" in hit[1],
+                   f"{n}: no FATAL line naming {node}'s full disk: {hit}")
+            expect(complete_steps(c, n, run)[-1:] == [10], f"{n}: newest complete checkpoint is not step 10: "
+                   f"{complete_steps(c, n, run)}")
+            full[n] = round(hit[0] - t0, 1)
+        left = c.sh(node, f"ls -A {rundir}/checkpoints/step_000020 2>/dev/null || true").split()
+        expect(not [f for f in left if ".tmp." in f], f"{node}: the failed write left its partial file: {left}")
+        res["disk_full"] = {"fatal_s": full, "message": hit[1][:500], "left_in_step_20": left}
+        log(f"disk full: every rank stopped with exit 2 naming {node}: {full}")
+
+        # --- the operator frees space and starts the run again: it resumes from step 10
+        c.sh(node, f"rm -f {rundir}/filler")
+        t_again = time.time()
+        rc, out, took = c.playbook("train.yml", run_vars)
+        expect(rc == 0, f"train.yml after freeing space failed:\n{show_train_failure(out)}")
+        lines = wait_for("the run to resume", lambda: (j := c.journal(c.master, unit, t_again))
+                         and first(j, r"resumed from checkpoint step 10") and steps(j) and j, timeout=300, every=2)
+        res["disk_full"]["resumed_s_after_train_yml"] = round(first(lines, r"resumed from")[0] - t_again, 1)
+        before = {s: loss for _, s, loss in steps(c.journal(c.master, unit, t_start), before=t_again)}
+        # --- SIGKILL of the node's trainer while it writes checkpoint step 30
+        wait_step(c, unit, 25, timeout=300)
+        pid = c.unit(node, unit)["MainPID"]
+        trainer = c.sh(node, f"pgrep -P {pid} -f nanochat_cpu.train").split()[0]
+        watcher = (f"import glob, os, time\nend = time.time() + 120\n"
+                   f"while time.time() < end:\n"
+                   f"    hits = glob.glob('{rundir}/checkpoints/step_000030/*.tmp.*')\n"
+                   f"    if hits:\n        os.kill({trainer}, 9)\n        print(' '.join(hits))\n        break\n")
+        killed = c.sh(node, f"python3 -c \"{watcher}\"", timeout=150).strip()
+        t0 = time.time()
+        expect(killed != "", f"{node}: never saw checkpoint step 30 being written")
+        left = c.sh(node, f"ls -A {rundir}/checkpoints/step_000030").split()
+        log(f"SIGKILL {node} trainer {trainer} while writing {killed}; left {left}")
+        expect("COMPLETE" not in left, f"{node}: step 30 sealed despite the kill: {left}")
+        m = resume_after(c, unit, t0, node, timeout=300)
+        check_resume(c, unit, t0, m, node, t_again)
+        expect(m["resumed_from"] == 20, f"resumed from {m['resumed_from']}, expected the last complete step 20")
+        res["sigkill_mid_write"] = {"writing": killed, "left_in_step_30": left,
+                                    **{k: v for k, v in m.items() if k not in c.nodes}}
+        # the steps redone after the disk-full stop matched the first attempt's
+        after = {s: loss for _, s, loss in steps(c.journal(c.master, unit, t_again))}
+        redone = [s for s in range(11, 21) if s in before and s in after]
+        diff = max((abs(before[s] - after[s]) for s in redone), default=math.inf)
+        expect(diff < 1e-2, f"the steps redone after the disk-full stop differ: {before} vs {after}")
+        res["disk_full"]["max_loss_diff_redone"] = diff
+
+        def finished():
+            return all(c.unit(n, unit)["ActiveState"] == "inactive" and
+                       first(c.journal(n, unit, t0), rf"done: {iters} steps") for n in c.nodes)
+        wait_for(f"the run to finish step {iters}", finished, timeout=400, every=3)
+        for n in c.nodes:
+            expect(iters in complete_steps(c, n, run), f"{n}: no complete checkpoint for step {iters}")
+        log(f"checkpoint case: {json.dumps(res)[:600]}")
+    finally:
+        c.sh(node, f"systemctl stop {unit}; umount {rundir}", check=False)
+        clean_run(c, run)
+
+
+# ---- bad inputs --------------------------------------------------------------------------------
+
+def node_state(c: Cluster) -> dict[str, str]:
+    """What train.yml would change on a node: env files, run directories, trainer units."""
+    return {n: c.sh(n, "ls -la --time-style=+%s /etc/nanochat /var/lib/nanochat/runs; "
+                       "systemctl list-units 'nanochat-train@*' --all --no-legend --plain", check=False)
+            for n in c.nodes}
+
+
+def refused(c: Cluster, run_vars: dict, want: str, what: str) -> dict:
+    rc, out, took = c.playbook("train.yml", run_vars)
+    expect(rc != 0, f"train.yml accepted {what}")
+    line = next((ln.strip() for ln in out.splitlines() if want in ln), "")
+    expect(line != "", f"train.yml did not say {want!r} for {what}:\n{show_train_failure(out)}")
+    log(f"{what}: refused in {took:.0f}s")
+    return {"seconds": round(took, 1), "message": line[:400]}
+
+
+def case_inputs(c: Cluster, report: dict, workdir: Path) -> None:
+    res = report.setdefault("inputs", {})
+    done = [r for r in c.sh(c.master, "ls /var/lib/nanochat/runs/*/checkpoints/*/COMPLETE 2>/dev/null || true")
+            .split() if "faults-loss" in r]
+    expect(done != [], "no finished run to resume (run the node-loss case first)")
+    run_vars = {**RUN_VARS, "run_name": "faults-inputs", "num_iterations": 10}
+    state = node_state(c)
+    # extra-vars: refused on the controller, before any node is contacted
+    for over, want in ((("depth", "eight"), "depth=eight must be a positive integer"),
+                       (("dtype", "fp16"), "dtype=fp16 must be one of: auto, float32, bfloat16"),
+                       (("total_batch_size", 1000), "total_batch_size=1000 must be auto or a positive multiple")):
+        res[f"extra_var_{over[0]}"] = refused(c, {**run_vars, over[0]: over[1]}, want, f"-e {over[0]}={over[1]}")
+    # a trainer flag: refused by every node's preflight with the trainer's own parser
+    res["trainer_flag"] = refused(c, {**run_vars, "train_extra_args": "--matrix-lr fast"},
+                                  "the trainer rejects its flags: argument --matrix-lr: invalid float value: 'fast'",
+                                  "train_extra_args=--matrix-lr fast")
+    # a missing data dir on one node
+    node = c.workers[0]
+    data = "/var/lib/nanochat/data/fortunes"
+    c.sh(node, f"mv {data} /root/data.away")
+    try:
+        res["missing_data_dir"] = refused(c, run_vars, f"{node}: manifest.json missing", f"no {data} on {node}")
+    finally:
+        c.sh(node, f"mv /root/data.away {data}", check=False)
+    # an empty shard and a corrupt one, pushed consistently (the manifest describes them): the
+    # hashes agree, the trainer's own check of every shard refuses them
+    for n in c.nodes:
+        c.sh(n, f"mkdir -p /root/data.orig && cp -p {data}/manifest.json {data}/shard_00001.parquet "
+                f"{data}/shard_00002.parquet /root/data.orig/ && /opt/nanochat/venv/bin/python -c \"{BAD_SHARDS}\" "
+                f"{data}")
+    try:
+        r = refused(c, run_vars, "shard_00001.parquet: empty shard (0 rows)", "an empty and a corrupt shard")
+        expect("shard_00002.parquet: not a readable parquet file" in r["message"], f"corrupt shard not named: {r}")
+        res["bad_shards"] = r
+    finally:
+        for n in c.nodes:
+            c.sh(n, f"cp -p /root/data.orig/* {data}/ && rm -rf /root/data.orig", check=False)
+    # resuming the finished node-loss run with a tokenizer from another corpus, or another depth
+    tok = "/var/lib/nanochat/tokenizer/tokenizer.json"
+    c.sh(c.master, "cd /root && /opt/nanochat/venv/bin/python -m nanochat_cpu.data prepare --source "
+                   "/usr/share/common-licenses --out other-data --rows-per-group 16 >/dev/null && "
+                   "/opt/nanochat/venv/bin/python -m nanochat_cpu.tokenizer train --data-dir other-data "
+                   "--vocab-size 512 --out other-tok >/dev/null")
+    foreign = workdir / "faults-foreign-tokenizer.json"
+    subprocess.run(["podman", "cp", f"{c.ct(c.master)}:/root/other-tok/tokenizer.json", str(foreign)], check=True)
+    for n in c.nodes:
+        c.sh(n, f"cp -p {tok} /root/tokenizer.orig")
+        subprocess.run(["podman", "cp", str(foreign), f"{c.ct(n)}:{tok}"], check=True)
+    resume_vars = {**RUN_VARS, "run_name": "faults-loss", "num_iterations": 160}
+    try:
+        res["foreign_tokenizer"] = refused(c, resume_vars, "was trained with another tokenizer",
+                                           "resuming faults-loss with a foreign tokenizer")
+    finally:
+        for n in c.nodes:
+            c.sh(n, f"cp -p /root/tokenizer.orig {tok} && rm -rf /root/tokenizer.orig /root/other-*", check=False)
+        foreign.unlink(missing_ok=True)
+    res["other_depth"] = refused(c, {**resume_vars, "depth": 3}, "does not fit this model (--depth 3",
+                                 "resuming faults-loss at depth 3")
+    after = node_state(c)
+    expect(after == state, f"a refused train.yml changed a node: {state} -> {after}")
+
+
+# an empty shard 1 and garbage in shard 2, with manifest entries that describe them
+BAD_SHARDS = ("import hashlib, json, sys, pathlib, pyarrow as pa, pyarrow.parquet as pq; "
+              "d = pathlib.Path(sys.argv[1]); "
+              "pq.write_table(pa.table({'text': pa.array([], pa.string())}), d / 'shard_00001.parquet'); "
+              "(d / 'shard_00002.parquet').write_bytes(b'not a parquet file ' * 200); "
+              "m = json.loads((d / 'manifest.json').read_text()); "
+              "[e.update(bytes=len(b), sha256=hashlib.sha256(b).hexdigest(), rows=0) for e in m['files'] "
+              "if e['file'] in ('shard_00001.parquet', 'shard_00002.parquet') "
+              "for b in [(d / e['file']).read_bytes()]]; "
+              "(d / 'manifest.json').write_text(json.dumps(m, indent=1))")
+
+
 # ---- main ------------------------------------------------------------------------------------
 
-CASES = {"node-loss": case_node_loss, "drift": case_drift, "network": case_network}
+CASES = {"node-loss": case_node_loss, "drift": case_drift, "network": case_network, "stale": case_stale,
+         "checkpoint": case_checkpoint, "inputs": case_inputs}
 
 
 def main() -> int:
@@ -536,12 +790,12 @@ def main() -> int:
         t0 = time.time()
         log(f"case {name}")
         try:
-            if name == "network":
-                case_network(c, report, args.report.parent)
+            if name in ("network", "inputs"):
+                CASES[name](c, report, args.report.parent)
             elif name == "node-loss":
                 case_node_loss(c, report, events)
             else:
-                case_drift(c, report)
+                CASES[name](c, report)
             report.setdefault(name, {})["case_s"] = round(time.time() - t0, 1)
             log(f"case {name} passed in {time.time() - t0:.0f}s")
         except Failed as exc:
