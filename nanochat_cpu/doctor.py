@@ -144,7 +144,7 @@ def check_run(train_flags: str, world_size: int, first_rank: int) -> list[str]:
         with contextlib.redirect_stderr(usage):
             cfg = parse_config(shlex.split(train_flags))
     except SystemExit:  # argparse's own line names the flag and the value
-        reason = (usage.getvalue().strip().splitlines() or ["unparsable"])[-1]
+        reason = (usage.getvalue().strip().splitlines() or ["unparsable"])[-1].split(": error: ", 1)[-1]
         return [f"{host}: the trainer rejects its flags: {reason}. Fix: correct train_extra_args or the extra-var"]
     try:
         validate(cfg, world_size)
