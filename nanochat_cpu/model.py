@@ -20,6 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .loss import softcapped_cross_entropy
+
 LOGIT_SOFTCAP = 15.0
 VE_GATE_CHANNELS = 32
 
@@ -198,12 +200,11 @@ class GPT(nn.Module):
             ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
             x = block(x, ve, cos, sin, masks[self.windows[i]])
         x = norm(x)
-        logits = self.lm_head(x)[..., : self.cfg.vocab_size].float()
-        logits = LOGIT_SOFTCAP * torch.tanh(logits / LOGIT_SOFTCAP)
+        head = self.lm_head.weight[: self.cfg.vocab_size]  # padded rows never score
         if targets is None:
-            return logits
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1,
-                               reduction=reduction)
+            return LOGIT_SOFTCAP * torch.tanh((x @ head.t()).float() / LOGIT_SOFTCAP)
+        return softcapped_cross_entropy(x.reshape(-1, x.size(-1)), head, targets.reshape(-1), LOGIT_SOFTCAP,
+                                        reduction)
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0) -> list[int]:

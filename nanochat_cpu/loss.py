@@ -1,0 +1,84 @@
+"""The LM head's loss: logits, nanochat's soft-cap `cap * tanh(z / cap)`, cross-entropy.
+
+Written the plain way (`F.cross_entropy(cap * tanh(x @ W.T / cap), y)`), eager PyTorch runs the
+division, tanh, scaling, log-softmax, the loss and each of their backwards as separate passes
+over the whole (tokens x vocab) logits: at 1,024 tokens and a 32,768 vocabulary that is ~8 fresh
+128-MB tensors per step, and a profile put it level with the LM head's GEMMs themselves.
+
+`softcapped_cross_entropy` does the same arithmetic with one logits buffer. The loss is the last
+operation of the graph, so its gradient is known in the forward: after the one logits GEMM the
+buffer is walked in cache-sized row chunks that turn it, in place, into dLoss/dlogits; the
+forward then also runs the two GEMMs of the head's backward, and the real backward only scales
+their results by the incoming gradient. Same GEMMs as autograd, no second big buffer, and the
+elementwise work runs on chunks that sit in cache. torch.compile fuses the plain form itself, so
+compiled models keep it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+IGNORE_INDEX = -1
+CHUNK_ELEMENTS = 1 << 18  # fp32 values per chunk: 1 MiB, small enough to stay in L2 while walked
+
+
+def _chunk_losses(z: torch.Tensor, targets: torch.Tensor, cap: float, grad: bool) -> torch.Tensor:
+    """Per-row losses of one chunk of raw logits `z`; with `grad`, `z` becomes dLoss_i/dz, in place."""
+    t = z.float()  # a copy for bf16 logits; fp32 logits are worked on in place
+    t.div_(cap).tanh_()
+    c = t * cap
+    lse = torch.logsumexp(c, dim=1)
+    valid = targets != IGNORE_INDEX
+    picked = c.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    losses = torch.where(valid, lse - picked, 0.0)
+    if grad:
+        p = c.sub_(lse[:, None]).exp_()  # softmax of the capped logits
+        p.scatter_add_(1, targets.clamp(min=0)[:, None], -valid[:, None].to(p.dtype))
+        p.mul_(valid[:, None])  # ignored positions get no gradient
+        dz = t.square_().neg_().add_(1).mul_(p)  # d(cap * tanh(z / cap))/dz = 1 - tanh^2
+        if dz.data_ptr() != z.data_ptr():
+            z.copy_(dz)
+    return losses
+
+
+class _SoftcappedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float) -> torch.Tensor:
+        z = x @ weight.t()  # (N, V); becomes dLoss/dz chunk by chunk (scaled by 1/valid below)
+        rows = max(1, CHUNK_ELEMENTS // z.size(1))
+        losses = torch.cat([_chunk_losses(z[s:s + rows], targets[s:s + rows], cap, grad=True)
+                            for s in range(0, z.size(0), rows)])
+        valid = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        grad_x = z @ weight.to(z.dtype)
+        grad_w = z.t() @ x.to(z.dtype)
+        ctx.save_for_backward(grad_x, grad_w, valid)
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return losses.sum() / valid
+
+    @staticmethod
+    def backward(ctx, grad_loss: torch.Tensor):
+        grad_x, grad_w, valid = ctx.saved_tensors
+        scale = grad_loss / valid
+        return (grad_x * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1]), None, None
+
+
+def softcapped_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float,
+                             reduction: str = "mean") -> torch.Tensor:
+    """Cross-entropy of `cap * tanh(x @ weight.T / cap)` against `targets` (-1 = ignored).
+
+    x: (N, d) final hidden states; weight: (V, d), the LM head's real-vocabulary rows; targets:
+    (N,). reduction "mean" (over non-ignored positions, differentiable) or "none" (per position,
+    for evaluation without gradients).
+    """
+    if torch.compiler.is_compiling():  # the compiler fuses the plain form into a few kernels itself
+        logits = cap * torch.tanh((x @ weight.t()).float() / cap)
+        return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+    if reduction == "mean":
+        return _SoftcappedCrossEntropy.apply(x, weight, targets, cap)
+    if reduction != "none" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
+        raise ValueError(f"reduction={reduction!r}: 'mean', or 'none' without gradients")
+    z = x @ weight.t()
+    rows = max(1, CHUNK_ELEMENTS // z.size(1))
+    return torch.cat([_chunk_losses(z[s:s + rows], targets[s:s + rows], cap, grad=False)
+                      for s in range(0, z.size(0), rows)])

@@ -1,0 +1,63 @@
+"""The fused LM-head loss equals the plain soft-capped cross-entropy, values and gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanochat_cpu.loss import IGNORE_INDEX, softcapped_cross_entropy
+
+CAP = 15.0
+
+
+def plain(x, w, y, reduction="mean"):
+    return F.cross_entropy(CAP * torch.tanh((x @ w.t()).float() / CAP), y, ignore_index=IGNORE_INDEX,
+                           reduction=reduction)
+
+
+def inputs(n=300, d=48, v=5000, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, d, generator=gen).requires_grad_()
+    w = (torch.randn(v, d, generator=gen) * 0.4).requires_grad_()  # logits well into tanh's bend
+    y = torch.randint(0, v, (n,), generator=gen)
+    y[::7] = IGNORE_INDEX
+    return x, w, y
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_loss_and_gradients_match_the_plain_form(dtype):
+    x, w, y = inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        want = plain(x, w, y)
+        got = softcapped_cross_entropy(x, w, y, CAP)
+    want_gx, want_gw = torch.autograd.grad(want * 3, (x, w))
+    got_gx, got_gw = torch.autograd.grad(got * 3, (x, w))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: both round the logits' gradient to bf16
+    assert got.dtype == torch.float32 and got.item() == pytest.approx(want.item(), rel=1e-5)
+    for g, ref in ((got_gx, want_gx), (got_gw, want_gw)):
+        assert g.dtype == torch.float32
+        assert (g - ref).abs().max() <= tol * ref.abs().max()
+
+
+def test_chunks_cover_every_row_and_the_per_position_form_matches():
+    x, w, y = inputs(n=1000, v=700)  # 700 columns: 374 rows per chunk, a short last chunk
+    with torch.no_grad():
+        got = softcapped_cross_entropy(x, w, y, CAP, reduction="none")
+        want = plain(x, w, y, reduction="none")
+    assert got.shape == (1000,) and torch.allclose(got, want, atol=1e-5)
+    assert (got[::7] == 0).all()  # ignored positions
+
+
+def test_all_ignored_gives_zero_loss_and_gradient():
+    x, w, y = inputs(n=8)
+    y[:] = IGNORE_INDEX
+    loss = softcapped_cross_entropy(x, w, y, CAP)
+    gx, gw = torch.autograd.grad(loss, (x, w))
+    assert loss.item() == 0.0 and not gx.any() and not gw.any()
+
+
+def test_per_position_losses_with_gradients_are_refused():
+    x, w, y = inputs(n=8)
+    with pytest.raises(ValueError, match="reduction='none'"):
+        softcapped_cross_entropy(x, w, y, CAP, reduction="none")
