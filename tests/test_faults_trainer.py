@@ -74,6 +74,17 @@ def write_empty_shard(path: Path) -> None:
     pq.write_table(pa.table({"text": pa.array([], pa.string())}), path)
 
 
+
+def bad_shards_copy(data_dir: Path, dest: Path) -> Path:
+    """A copy of the dataset with shard 1 empty and shard 2 garbage, the manifest agreeing (so only
+    the contents are bad: what site.yml pushes from a bad `prepare`)."""
+    shutil.copytree(data_dir, dest)
+    write_empty_shard(dest / "shard_00001.parquet")
+    (dest / "shard_00002.parquet").write_bytes(os.urandom(4096))
+    for name in ("shard_00001.parquet", "shard_00002.parquet"):
+        rewrite_manifest_entry(dest, name)
+    return dest
+
 @pytest.fixture(scope="module")
 def trained_run(tiny_data_dir, tiny_tokenizer_dir, tmp_path_factory) -> tuple[Path, str]:
     """A finished 2-rank run with complete checkpoints at steps 4, 8 and 12, and its output."""
@@ -332,12 +343,7 @@ def test_check_dataset_names_each_bad_file(tiny_data_dir, tmp_path):
 
 def test_empty_and_corrupt_shards_stop_every_rank_with_the_file_names(trained_run, tiny_data_dir, tiny_tokenizer_dir,
                                                                       tmp_path):
-    bad = tmp_path / "bad"
-    shutil.copytree(tiny_data_dir, bad)
-    write_empty_shard(bad / "shard_00001.parquet")
-    (bad / "shard_00002.parquet").write_bytes(os.urandom(4096))
-    for name in ("shard_00001.parquet", "shard_00002.parquet"):
-        rewrite_manifest_entry(bad, name)  # the manifest agrees: only the contents are bad
+    bad = bad_shards_copy(tiny_data_dir, tmp_path / "bad")
     runs = [copy_run(trained_run, tmp_path / f"node{r}") for r in range(2)]
     outs = two_nodes_fail([tiny_flags(bad, tiny_tokenizer_dir, run) for run, _ in runs], code=config_exit())
     for out in outs:
@@ -468,12 +474,7 @@ def test_run_check_names_a_bad_flag(over, message, tiny_data_dir, tiny_tokenizer
 
 def test_run_check_names_bad_shards_missing_dirs_and_an_unwritable_out_dir(tiny_data_dir, tiny_tokenizer_dir,
                                                                          tmp_path):
-    bad = tmp_path / "bad"
-    shutil.copytree(tiny_data_dir, bad)
-    write_empty_shard(bad / "shard_00001.parquet")
-    (bad / "shard_00002.parquet").write_bytes(os.urandom(4096))
-    for name in ("shard_00001.parquet", "shard_00002.parquet"):
-        rewrite_manifest_entry(bad, name)
+    bad = bad_shards_copy(tiny_data_dir, tmp_path / "bad")
     problems = run_check(tiny_flags(bad, tiny_tokenizer_dir, tmp_path / "run"))
     assert len(problems) == 2, problems
     assert "shard_00001.parquet: empty shard (0 rows)" in problems[0]

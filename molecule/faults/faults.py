@@ -544,13 +544,10 @@ def case_stale(c: Cluster, report: dict) -> None:
     try:
         pid = wait_for("the squatter to listen", lambda: c.sh(c.master, f"ss -H -ltnp 'sport = :{port}'").strip()
                        and c.unit(c.master, "faults-squatter.service")["MainPID"], timeout=30, every=0.5)
-        rc, out, took = c.playbook("train.yml", run_vars)
-        expect(rc != 0, "train.yml started with a foreign process on the master port")
-        want = f"{c.master}: port {port} (master_port) is held by PID {pid} (python3)"
-        line = next((ln.strip() for ln in out.splitlines() if want in ln), "")
-        expect(line != "" and f"kill {pid}" in line, f"the preflight did not say {want!r}:\n{show_train_failure(out)}")
-        res["master_port_held"] = {"seconds": round(took, 1), "message": line[:400]}
-        log(f"foreign process on the master port stopped train.yml in {took:.0f}s")
+        r = refused(c, run_vars, f"{c.master}: port {port} (master_port) is held by PID {pid} (python3)",
+                    "a foreign process on the master port")
+        expect(f"kill {pid}" in r["message"], f"no fix in: {r['message']}")
+        res["master_port_held"] = r
     finally:
         c.sh(c.master, "systemctl stop faults-squatter.service", check=False)
     expect_no_unit(c, unit)
@@ -563,13 +560,10 @@ def case_stale(c: Cluster, report: dict) -> None:
     try:
         pid = wait_for("the orphan to run", lambda: c.unit(node, "faults-orphan.service")["MainPID"] != "0"
                        and c.unit(node, "faults-orphan.service")["MainPID"], timeout=30, every=0.5)
-        rc, out, took = c.playbook("train.yml", run_vars)
-        expect(rc != 0, "train.yml started beside an orphan trainer")
-        want = f"{node}: trainer process {pid} runs outside any nanochat-train@ unit"
-        line = next((ln.strip() for ln in out.splitlines() if want in ln), "")
-        expect(line != "" and f"kill {pid}" in line, f"the preflight did not say {want!r}:\n{show_train_failure(out)}")
-        res["orphan_trainer"] = {"seconds": round(took, 1), "message": line[:400]}
-        log(f"orphan trainer stopped train.yml in {took:.0f}s")
+        r = refused(c, run_vars, f"{node}: trainer process {pid} runs outside any nanochat-train@ unit",
+                    "an orphan trainer")
+        expect(f"kill {pid}" in r["message"], f"no fix in: {r['message']}")
+        res["orphan_trainer"] = r
     finally:
         c.sh(node, "systemctl stop faults-orphan.service", check=False)
     expect_no_unit(c, unit)
