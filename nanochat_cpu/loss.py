@@ -30,11 +30,12 @@ def _chunk_losses(z: torch.Tensor, targets: torch.Tensor, cap: float, grad: bool
     c = t * cap
     lse = torch.logsumexp(c, dim=1)
     valid = targets != IGNORE_INDEX
-    picked = c.gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    columns = targets.clamp(min=0)[:, None]  # ignored positions read column 0, then count for nothing
+    picked = c.gather(1, columns).squeeze(1)
     losses = torch.where(valid, lse - picked, 0.0)
     if grad:
         p = c.sub_(lse[:, None]).exp_()  # softmax of the capped logits
-        p.scatter_add_(1, targets.clamp(min=0)[:, None], -valid[:, None].to(p.dtype))
+        p.scatter_add_(1, columns, -valid[:, None].to(p.dtype))
         p.mul_(valid[:, None])  # ignored positions get no gradient
         dz = t.square_().neg_().add_(1).mul_(p)  # d(cap * tanh(z / cap))/dz = 1 - tanh^2
         if dz.data_ptr() != z.data_ptr():
@@ -42,13 +43,18 @@ def _chunk_losses(z: torch.Tensor, targets: torch.Tensor, cap: float, grad: bool
     return losses
 
 
+
+def _losses_by_chunk(z: torch.Tensor, targets: torch.Tensor, cap: float, grad: bool) -> torch.Tensor:
+    """Per-row losses of the whole logits buffer, walked in cache-sized row chunks."""
+    rows = max(1, CHUNK_ELEMENTS // z.size(1))
+    return torch.cat([_chunk_losses(z[s:s + rows], targets[s:s + rows], cap, grad)
+                      for s in range(0, z.size(0), rows)])
+
 class _SoftcappedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float) -> torch.Tensor:
         z = x @ weight.t()  # (N, V); becomes dLoss/dz chunk by chunk (scaled by 1/valid below)
-        rows = max(1, CHUNK_ELEMENTS // z.size(1))
-        losses = torch.cat([_chunk_losses(z[s:s + rows], targets[s:s + rows], cap, grad=True)
-                            for s in range(0, z.size(0), rows)])
+        losses = _losses_by_chunk(z, targets, cap, grad=True)
         valid = (targets != IGNORE_INDEX).sum().clamp(min=1)
         grad_x = z @ weight.to(z.dtype)
         grad_w = z.t() @ x.to(z.dtype)
@@ -78,7 +84,4 @@ def softcapped_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: tor
         return _SoftcappedCrossEntropy.apply(x, weight, targets, cap)
     if reduction != "none" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         raise ValueError(f"reduction={reduction!r}: 'mean', or 'none' without gradients")
-    z = x @ weight.t()
-    rows = max(1, CHUNK_ELEMENTS // z.size(1))
-    return torch.cat([_chunk_losses(z[s:s + rows], targets[s:s + rows], cap, grad=False)
-                      for s in range(0, z.size(0), rows)])
+    return _losses_by_chunk(x @ weight.t(), targets, cap, grad=False)

@@ -443,10 +443,7 @@ def case_drift(c: Cluster, report: dict) -> None:
             return got if all(got.values()) else None
         fatal = wait_for("every rank's fingerprint message", all_fatal, timeout=240)
         # exit 3 (ranks disagree) is in RestartPreventExitStatus: each unit fails once, no restart loop
-        def all_failed():
-            got = {n: c.unit(n, unit) for n in c.nodes}
-            return got if all(u["ActiveState"] == "failed" for u in got.values()) else None
-        ended = wait_for("every unit to fail without a restart", all_failed, timeout=60)
+        ended = wait_all_failed(c, unit, "every unit to fail without a restart", timeout=60)
         for n, u in ended.items():
             expect(u["NRestarts"] == "0" and u["ExecMainStatus"] == "3", f"{n}: expected exit 3 and no restart: {u}")
         for n in c.nodes:
@@ -469,6 +466,14 @@ def case_drift(c: Cluster, report: dict) -> None:
         for n in c.nodes:
             c.sh(n, f"systemctl stop {unit}; systemctl reset-failed {unit}; rm -f /etc/nanochat/{run}.env", check=False)
 
+
+
+def wait_all_failed(c: Cluster, unit: str, what: str, timeout: float) -> dict[str, dict[str, str]]:
+    """Each node's unit state, once the unit is `failed` on every node."""
+    def probe():
+        got = {n: c.unit(n, unit) for n in c.nodes}
+        return got if all(u["ActiveState"] == "failed" for u in got.values()) else None
+    return wait_for(what, probe, timeout)
 
 def start_everywhere(c: Cluster, cmd: str) -> None:
     """Run `cmd` on every node at once (units of one run must start together)."""
@@ -606,10 +611,7 @@ def case_checkpoint(c: Cluster, report: dict) -> None:
         t0 = time.time()
         log(f"{node}: {rundir} filled")
 
-        def all_failed():
-            got = {n: c.unit(n, unit) for n in c.nodes}
-            return got if all(u["ActiveState"] == "failed" for u in got.values()) else None
-        ended = wait_for("every unit to stop on the full disk", all_failed, timeout=COLLECTIVE_TIMEOUT + 60)
+        ended = wait_all_failed(c, unit, "every unit to stop on the full disk", timeout=COLLECTIVE_TIMEOUT + 60)
         full = {}
         for n, u in ended.items():
             # exit 2 is in RestartPreventExitStatus: a full disk needs a person, not a restart loop
