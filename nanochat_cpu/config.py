@@ -76,6 +76,12 @@ class TrainConfig:
         default="float32",
         metadata={"choices": ("float32", "bfloat16"), "help": "dtype gradients travel in (bf16 halves the bytes)"},
     )
+    param_comm_dtype: str = field(
+        default="float32",
+        metadata={"choices": ("float32", "bfloat16"),
+                  "help": "dtype updated parameters travel in; bfloat16 sends rounded updates (half the bytes), "
+                          "weights stay identical on every rank"},
+    )
     # evaluation, logging, checkpoints
     eval_every: int = field(default=100, metadata={"help": "steps between val bpb evaluations (0 = only at end)"})
     eval_tokens: int = field(default=16384, metadata={"help": "validation tokens per evaluation"})

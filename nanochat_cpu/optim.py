@@ -94,19 +94,23 @@ class Group:
     grad_views: list[torch.Tensor] = field(default_factory=list)  # each parameter's .grad, in grad_buf
     grad_slice: torch.Tensor | None = None  # the summed gradient of the owned units
     master: torch.Tensor | None = None  # the owned units' values, updated, then all-gathered
+    update_buf: torch.Tensor | None = None  # every rank's rounded update (--param-comm-dtype bfloat16)
     ready: int = 0  # parameters whose last-micro-step gradient is complete
     pending: list = field(default_factory=list)  # in-flight collectives of this step
 
 
 class MuonAdamW:
     def __init__(self, groups: list[Group], rank: int = 0, world_size: int = 1,
-                 muon_dtype: torch.dtype = torch.float32, comm_dtype: torch.dtype = torch.float32):
+                 muon_dtype: torch.dtype = torch.float32, comm_dtype: torch.dtype = torch.float32,
+                 param_comm_dtype: torch.dtype = torch.float32):
         self.groups = groups
         self.rank, self.world_size = rank, world_size
         self.muon_dtype = muon_dtype
-        # Gradients may travel in bf16 (half the bytes on a slow link); parameters always travel
-        # in fp32, so every rank holds bit-identical weights.
+        # Gradients may travel in bf16 (half the bytes on a slow link).
         self.comm_dtype = comm_dtype
+        # Parameters travel in fp32, or as bf16-rounded updates that every rank (the owner too)
+        # adds to its fp32 weights: half the bytes, and the weights stay bit-identical.
+        self.param_comm_dtype = param_comm_dtype
         self.step_count = 0
         self.last_comm_wait = 0.0  # seconds the last step spent blocked on communication
         # Set by the trainer around the last micro-step's backward: dense groups then start
@@ -151,6 +155,8 @@ class MuonAdamW:
                 p.register_post_accumulate_grad_hook(self._grad_ready_hook(g))
         g.grad_slice = torch.zeros((g.shard, *unit), dtype=p0.dtype, device=p0.device)
         g.master = torch.zeros_like(g.grad_slice)
+        if self.param_comm_dtype != p0.dtype:
+            g.update_buf = torch.zeros(shape, dtype=self.param_comm_dtype, device=p0.device)
 
     def _grad_ready_hook(self, g: Group):
         def hook(_param: torch.Tensor) -> None:
@@ -289,16 +295,23 @@ class MuonAdamW:
         for g in self.groups:
             self._finish_reduce(g)
             lo = self.rank * g.shard
-            g.master.copy_(g.param_buf[lo: lo + g.shard])
+            owned = g.param_buf[lo: lo + g.shard]
+            g.master.copy_(owned)
             if g.kind == "muon":
                 self._muon(g, g.master, g.grad_slice, self._owned_units(g))
             else:  # padding past the last parameter has zero gradient, so Adam keeps it at zero
                 self._adamw(g, [g.master], [g.grad_slice])
-            gathers.append(all_gather(g.param_buf, g.master, async_op=True))
-        for work in gathers:
+            if g.update_buf is None:
+                gathers.append((g, all_gather(g.param_buf, g.master, async_op=True)))
+            else:
+                update = g.master.sub_(owned).to(self.param_comm_dtype)
+                gathers.append((g, all_gather(g.update_buf, update, async_op=True)))
+        for g, work in gathers:
             t0 = time.perf_counter()
             work.wait()
             self.last_comm_wait += time.perf_counter() - t0
+            if g.update_buf is not None:  # the same rounded update on every rank, owner included
+                g.param_buf.add_(g.update_buf)
 
     def zero_grad(self) -> None:
         for g in self.groups:
@@ -332,8 +345,7 @@ class MuonAdamW:
             g.state = {k: v.clone() for k, v in sd["groups"][g.name].items()}
 
 
-def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dtype,
-                    comm_dtype: torch.dtype = torch.float32) -> MuonAdamW:
+def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dtype) -> MuonAdamW:
     from .model import parameter_groups
 
     groups = parameter_groups(model)
@@ -351,4 +363,6 @@ def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dt
         by_shape.setdefault(tuple(p.shape), []).append(p)
     muon = [Group("muon", f"matrix_{'x'.join(map(str, shape))}", ps, lr=cfg.matrix_lr,
                   weight_decay=cfg.weight_decay) for shape, ps in sorted(by_shape.items())]
-    return MuonAdamW([g for g in adamw if g.params] + muon, rank, world_size, muon_dtype, comm_dtype)
+    wire = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    return MuonAdamW([g for g in adamw if g.params] + muon, rank, world_size, muon_dtype,
+                     wire[cfg.grad_comm_dtype], wire[cfg.param_comm_dtype])

@@ -51,8 +51,9 @@ def step(out: str, split: str | None) -> None:
     env = setup()
     torch.manual_seed(0)
     model = make_model()
-    comm = torch.bfloat16 if os.environ.get("GRAD_COMM_DTYPE") == "bfloat16" else torch.float32
-    opt = build_optimizer(model, TrainConfig(weight_decay=0.1), env.rank, env.world_size, torch.float32, comm)
+    cfg = TrainConfig(weight_decay=0.1, grad_comm_dtype=os.environ.get("GRAD_COMM_DTYPE", "float32"),
+                      param_comm_dtype=os.environ.get("PARAM_COMM_DTYPE", "float32"))
+    opt = build_optimizer(model, cfg, env.rank, env.world_size, torch.float32)
     # Adam's eps=1e-10 turns gradients of ~1e-12 (summed in another order on N ranks) into
     # full-size steps of either sign; a larger eps keeps the comparison about the sharding.
     for g in opt.groups:
@@ -78,6 +79,8 @@ def step(out: str, split: str | None) -> None:
             (loss * sizes[env.rank] / GLOBAL_ROWS).backward()
         opt.step()
         opt.zero_grad()
+    if env.world_size > 1:  # bit-identical weights on every rank, or the guard stops the run
+        check_parameters_agree(env, model, step=2)
     if env.rank == 0:
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out)
     if env.world_size > 1:

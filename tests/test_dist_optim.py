@@ -73,6 +73,22 @@ def test_bf16_gradient_communication_stays_close(reference, tmp_path):
             assert moved < 0.05, f"{name}: {moved:.1%} of elements moved with bf16 grads"
 
 
+def test_bf16_parameter_communication_keeps_ranks_identical(reference, tmp_path):
+    """--param-comm-dtype bfloat16 all-gathers rounded updates; every rank adds the same ones, so
+    the weights stay bit-identical (the worker's checksum guard) and within rounding of fp32's."""
+    out = tmp_path / "params.pt"
+    proc = run_torchrun(3, [WORKER, "step", str(out)],
+                        env_extra={"PARAM_COMM_DTYPE": "bfloat16", "GRAD_COMM_DTYPE": "bfloat16"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = torch.load(out)
+    for name, ref in reference.items():
+        if name.startswith("blocks."):
+            torch.testing.assert_close(got[name], ref, rtol=0, atol=1e-3, msg=f"{name} moved with bf16 updates")
+        else:
+            moved = (got[name] - ref).abs().gt(1e-2).float().mean().item()
+            assert moved < 0.05, f"{name}: {moved:.1%} of elements moved with bf16 updates"
+
+
 def test_diverged_ranks_are_stopped_by_checksum_guard():
     proc = run_torchrun(2, [WORKER, "diverge"], timeout=120)
     out = proc.stdout + proc.stderr
