@@ -17,12 +17,17 @@ and tokenizer, and reads rank 0's step lines.
 
 CPU shares: `even` gives every node --cpu-even CPUs; `half` gives node1 half of that (the laptop).
 Split `off` = the same rows on every rank; `on` = --rank-batch-sizes auto (measured at start).
+Comm `fp32` = gradients and parameters travel in fp32; `bf16` = --grad-comm-dtype and
+--param-comm-dtype bfloat16 (half the bytes each way). Solo runs always use fp32 (no wire).
+Tokens per step are set per depth (--tokens-per-step 4:3072,8:12288): the wire bytes per step are
+fixed by the model, so a larger step hides them behind more compute.
 Results go to build/scaling.json as they come, the table to stdout at the end.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import statistics
@@ -54,6 +59,8 @@ class Result:
     link: str
     cpu: str
     split: str
+    comm: str
+    tokens_per_step: int
     tok_per_s: float
     step_ms: float
     compute_ms: float
@@ -91,11 +98,15 @@ def set_link(node: Node, rate: str) -> None:
     sh([str(REPO / "cluster/shape.sh"), node.container, node.interface, rate])
 
 
-def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: str, dataset: str) -> Result:
+def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: str, comm: str, dataset: str,
+                num_steps: int) -> Result:
     world = len(nodes)
     rows = args.rows_per_rank
+    tokens = args.tokens_per_step[depth]
+    wire = "bfloat16" if comm == "bf16" else "float32"
     flags = ["--depth", str(depth), "--max-seq-len", str(args.seq), "--device-batch-size", str(rows),
-             "--total-batch-size", str(args.tokens_per_step), "--num-iterations", str(args.steps),
+             "--total-batch-size", str(tokens), "--num-iterations", str(num_steps),
+             "--grad-comm-dtype", wire, "--param-comm-dtype", wire,
              "--eval-every", "0", "--eval-tokens", str(args.seq * rows * world), "--sample-every", "0",
              "--checkpoint-every", "0", "--checksum-every", "0", "--tracking-uri", "none", "--compile", "off",
              "--resume", "never", "--collective-timeout", "900", "--run-name", "scaling",
@@ -124,14 +135,14 @@ def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: 
         if p.returncode != 0:
             raise SystemExit(f"scaling_bench: the trainer failed on {node.name}:\n{out[-4000:]}")
     steps = [tuple(map(int, m.groups())) for m in STEP.finditer(outs[0])]
-    measured = [s for s in steps if s[0] > args.warmup_steps]
+    measured = [s for s in steps if s[0] > min(args.warmup_steps, num_steps - 1)]
     if not measured:
         raise SystemExit(f"scaling_bench: no step lines after warmup in rank 0's output:\n{outs[0][-3000:]}")
     mean = {k: statistics.mean(s[i] for s in measured)
             for i, k in ((1, "dt"), (3, "compute"), (4, "optim"), (5, "comm"))}
     split_line = re.search(r"rows \[([0-9, ]+)\]", outs[0])
-    return Result(depth=depth, nodes=world, link="", cpu="", split=split,
-                  tok_per_s=round(args.tokens_per_step / (mean["dt"] / 1000), 1), step_ms=round(mean["dt"]),
+    return Result(depth=depth, nodes=world, link="", cpu="", split=split, comm=comm, tokens_per_step=tokens,
+                  tok_per_s=round(tokens / (mean["dt"] / 1000), 1), step_ms=round(mean["dt"]),
                   compute_ms=round(mean["compute"]), optim_ms=round(mean["optim"]),
                   comm_wait_ms=round(mean["comm"]), rows=split_line.group(1).replace(" ", "") if split_line else "")
 
@@ -144,13 +155,21 @@ def cpu_plan(nodes: list[Node], mode: str, even: float) -> dict[str, float]:
 
 
 def print_table(results: list[Result]) -> None:
-    cols = ["depth", "nodes", "link", "cpu", "split", "rows", "tok_per_s", "efficiency", "vs_fastest", "step_ms",
-            "compute_ms", "optim_ms", "comm_wait_ms"]
+    cols = ["depth", "tokens_per_step", "nodes", "link", "cpu", "split", "comm", "rows", "tok_per_s", "efficiency",
+            "vs_fastest", "step_ms", "compute_ms", "optim_ms", "comm_wait_ms"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in results:
         d = asdict(r)
         print("| " + " | ".join("" if d[c] is None else str(d[c]) for c in cols) + " |", flush=True)
+
+
+def per_depth(text: str) -> dict[int, int]:
+    """'4:3072,8:12288' -> {4: 3072, 8: 12288}"""
+    try:
+        return {int(d): int(v) for d, v in (item.split(":") for item in text.split(","))}
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"expected depth:tokens pairs like 4:3072,8:12288, got {text!r}") from exc
 
 
 def main() -> int:
@@ -165,8 +184,11 @@ def main() -> int:
     p.add_argument("--cpu-even", type=float, default=0.6, help="CPUs per node (the host has 2 for all of them)")
     p.add_argument("--seq", type=int, default=256, help="short sequences keep a step short on a 0.3-CPU node")
     p.add_argument("--rows-per-rank", type=int, default=2, help="--device-batch-size (the split moves rows)")
-    p.add_argument("--tokens-per-step", type=int, default=3072, help="divisible by seq x rows x every world size")
+    p.add_argument("--comms", default="fp32", help="dtypes on the wire: fp32, bf16 (gradients and updates)")
+    p.add_argument("--tokens-per-step", type=per_depth, default=per_depth("4:3072,8:12288"),
+                   help="depth:tokens per optimizer step, each divisible by seq x rows x every world size")
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--solo-steps", type=int, default=None, help="steps of the solo runs (default --steps)")
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--run-timeout", type=float, default=1200)
     p.add_argument("--out", type=Path, default=REPO / "build/scaling.json")
@@ -188,7 +210,7 @@ def main() -> int:
     for depth in depths:
         for cpus in sorted({args.cpu_even, args.cpu_even / 2} if "half" in args.cpus else {args.cpu_even}):
             set_cpu(nodes[0], cpus)
-            r = run_trainer(nodes[:1], args, depth, "off", dataset)
+            r = run_trainer(nodes[:1], args, depth, "off", "fp32", dataset, args.solo_steps or args.steps)
             r.link, r.cpu = "-", f"{cpus:g}"
             solo[(depth, cpus)] = r.tok_per_s
             r.efficiency, r.vs_fastest = 1.0, 1.0
@@ -203,11 +225,11 @@ def main() -> int:
                     plan = cpu_plan(members, mode, args.cpu_even)
                     for n in members:
                         set_cpu(n, plan[n.name])
-                    for split in args.splits.split(","):
+                    for split, comm in itertools.product(args.splits.split(","), args.comms.split(",")):
                         if split == "on" and mode == "even":
                             continue  # the measured split of equal nodes is the even split
                         t0 = time.time()
-                        r = run_trainer(members, args, depth, split, dataset)
+                        r = run_trainer(members, args, depth, split, comm, dataset, args.steps)
                         r.link, r.cpu = link if link != "none" else "unlimited", mode
                         solos = [solo[(depth, plan[n.name])] for n in members]
                         r.efficiency = round(r.tok_per_s / sum(solos), 2)

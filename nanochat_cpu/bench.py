@@ -65,7 +65,8 @@ def worker(args: argparse.Namespace) -> None:
     else:
         vocab = args.vocab_size
         batches = SyntheticBatches(vocab, batch, args.max_seq_len, seed=rank)
-    cfg = TrainConfig(depth=args.depth, max_seq_len=args.max_seq_len)
+    cfg = TrainConfig(depth=args.depth, max_seq_len=args.max_seq_len, grad_comm_dtype=args.comm_dtype,
+                      param_comm_dtype=args.comm_dtype)
     model = GPT(model_config_from(args.depth, cfg.aspect_ratio, cfg.head_dim, vocab, args.max_seq_len,
                                   cfg.window_pattern))
     model.init_weights(0)
@@ -95,8 +96,8 @@ def worker(args: argparse.Namespace) -> None:
                          ("comm", opt.last_comm_wait), ("step", t3 - t0)):
                 times[k].append(v)
     mean = {k: sum(v) / len(v) for k, v in times.items()}
-    result = {"depth": args.depth, "nproc": world, "compile": args.compile, "vocab": vocab,
-              "tokens_per_step": args.total_batch_size, "threads": torch.get_num_threads(),
+    result = {"depth": args.depth, "nproc": world, "compile": args.compile, "comm_dtype": args.comm_dtype,
+              "vocab": vocab, "tokens_per_step": args.total_batch_size, "threads": torch.get_num_threads(),
               "step_ms": round(mean["step"] * 1000, 1),
               "tok_per_s": round(args.total_batch_size / mean["step"], 1),
               "mfu_pct": round(100 * fpt * args.total_batch_size / mean["step"] / (peak * world), 1),
@@ -121,7 +122,7 @@ def launch(args: argparse.Namespace, depth: int, nproc: int, compile_mode: str) 
     common = ["--depth", str(depth), "--compile", compile_mode, "--steps", str(args.steps),
               "--warmup", str(args.warmup), "--max-seq-len", str(args.max_seq_len),
               "--total-batch-size", str(args.total_batch_size), "--vocab-size", str(args.vocab_size),
-              "--muon-dtype", args.muon_dtype, "--overlap", args.overlap]
+              "--muon-dtype", args.muon_dtype, "--overlap", args.overlap, "--comm-dtype", args.comm_dtype]
     if args.tokenizer_dir:
         common += ["--data-dir", args.data_dir, "--tokenizer-dir", args.tokenizer_dir]
     if nproc == 1:
@@ -161,6 +162,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--muon-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--overlap", choices=("on", "off"), default="on",
                    help="start gradient reduce-scatters from backward hooks (the trainer always does)")
+    p.add_argument("--comm-dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="gradients and parameter updates on the wire (the trainer's --grad/--param-comm-dtype)")
     p.add_argument("--data-dir", default=None)
     p.add_argument("--tokenizer-dir", default=None)
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="threads split over the processes")
