@@ -14,6 +14,8 @@ and tokenizer, and reads rank 0's step lines.
     solo tok/s   each node alone, at its CPU limit
     efficiency   cluster tok/s / sum of the participating nodes' solo tok/s
     vs fastest   cluster tok/s / the fastest participating node's solo tok/s (must be >= 1)
+    vs fastest est   the same, as the trainer estimates it from its own timings (it logs a
+                 "SLOWER THAN ONE NODE" line with the fix when it is below 1)
 
 CPU shares: `even` gives every node --cpu-even CPUs; `half` gives node1 half of that (the laptop).
 Split `off` = the same rows on every rank; `on` = --rank-batch-sizes auto (measured at start).
@@ -69,6 +71,7 @@ class Result:
     rows: str
     efficiency: float | None = None
     vs_fastest: float | None = None
+    vs_fastest_est: float | None = None  # the trainer's own estimate, from its timing line
 
 
 def sh(cmd: list[str], timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
@@ -141,10 +144,12 @@ def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: 
     mean = {k: statistics.mean(s[i] for s in measured)
             for i, k in ((1, "dt"), (3, "compute"), (4, "optim"), (5, "comm"))}
     split_line = re.search(r"rows \[([0-9, ]+)\]", outs[0])
+    said = re.search(r"tok/s with \d+ ranks = ([0-9.]+)x what rank", outs[0])
     return Result(depth=depth, nodes=world, link="", cpu="", split=split, comm=comm, tokens_per_step=tokens,
                   tok_per_s=round(tokens / (mean["dt"] / 1000), 1), step_ms=round(mean["dt"]),
                   compute_ms=round(mean["compute"]), optim_ms=round(mean["optim"]),
-                  comm_wait_ms=round(mean["comm"]), rows=split_line.group(1).replace(" ", "") if split_line else "")
+                  comm_wait_ms=round(mean["comm"]), rows=split_line.group(1).replace(" ", "") if split_line else "",
+                  vs_fastest_est=float(said.group(1)) if said else None)
 
 
 def cpu_plan(nodes: list[Node], mode: str, even: float) -> dict[str, float]:
@@ -156,7 +161,7 @@ def cpu_plan(nodes: list[Node], mode: str, even: float) -> dict[str, float]:
 
 def print_table(results: list[Result]) -> None:
     cols = ["depth", "tokens_per_step", "nodes", "link", "cpu", "split", "comm", "rows", "tok_per_s", "efficiency",
-            "vs_fastest", "step_ms", "compute_ms", "optim_ms", "comm_wait_ms"]
+            "vs_fastest", "vs_fastest_est", "step_ms", "compute_ms", "optim_ms", "comm_wait_ms"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in results:
@@ -190,6 +195,9 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--solo-steps", type=int, default=None, help="steps of the solo runs (default --steps)")
     p.add_argument("--warmup-steps", type=int, default=2)
+    p.add_argument("--solos-from", type=Path, action="append", default=[],
+                   help="reuse the solo runs of an earlier --out file (same depth, tokens and CPU) instead of "
+                        "measuring them again")
     p.add_argument("--run-timeout", type=float, default=1200)
     p.add_argument("--out", type=Path, default=REPO / "build/scaling.json")
     args = p.parse_args()
@@ -207,8 +215,15 @@ def main() -> int:
     for n in nodes:
         set_link(n, "none")
     solo: dict[tuple[int, float], float] = {}  # (depth, cpus) -> tok/s; the nodes are identical but for CPU
+    for earlier in args.solos_from:
+        for r in json.loads(earlier.read_text()):
+            if r["nodes"] == 1 and r["tokens_per_step"] == args.tokens_per_step.get(r["depth"]):
+                solo[(r["depth"], float(r["cpu"]))] = r["tok_per_s"]
+                record(Result(**r))
     for depth in depths:
         for cpus in sorted({args.cpu_even, args.cpu_even / 2} if "half" in args.cpus else {args.cpu_even}):
+            if (depth, cpus) in solo:
+                continue
             set_cpu(nodes[0], cpus)
             r = run_trainer(nodes[:1], args, depth, "off", "fp32", dataset, args.solo_steps or args.steps)
             r.link, r.cpu = "-", f"{cpus:g}"

@@ -286,6 +286,7 @@ LOCALHOST_INV = """all:
         (["-e", "total_batch_size=3000", "-e", "device_batch_size=1", "-e", "max_seq_len=256"],
          "Nearest valid total_batch_size: 2560 or 3072"),
         (["-e", "dtype=fp16"], "dtype=fp16 must be one of: auto, float32, bfloat16"),
+        (["-e", "work_split=fast"], "work_split=fast must be one of: auto, even, inventory"),
         (["-e", "train_device=cuda"], "train_device=cuda needs torch_variant cuNNN on every node; laptop"),
     ],
 )
@@ -302,3 +303,49 @@ def test_bad_extra_vars_fail_before_any_node_play(tmp_path: Path, extra: list[st
     assert expect in " ".join(out.split()), out
     assert "PLAY [Preflight every node]" not in out, "a node play started after a bad extra-var"
     assert "UNREACHABLE" not in out
+
+
+def run_config_on_localhost(tmp_path: Path, rows: dict[str, object], *extra: str) -> subprocess.CompletedProcess:
+    """Only the run_config role (no node is contacted), the example inventory plus per-host train_rows."""
+    (tmp_path / "localhost.yml").write_text(LOCALHOST_INV)
+    (tmp_path / "rows.yml").write_text("all:\n  hosts:\n" + "".join(
+        f"    {host}: {{train_rows: {value}}}\n" for host, value in rows.items()))
+    (tmp_path / "show.yml").write_text(
+        "- hosts: localhost\n  gather_facts: false\n  roles: [run_config]\n"
+        "  tasks:\n    - ansible.builtin.debug:\n        msg: 'ARGS {{ run_config_train_args | trim }}'\n")
+    return subprocess.run(
+        [tool("ansible-playbook"), "-i", "inventory/example", "-i", str(tmp_path / "localhost.yml"), "-i",
+         str(tmp_path / "rows.yml"), str(tmp_path / "show.yml"), *extra],
+        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300,
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "flag"),
+    [
+        ([], "--rank-batch-sizes auto"),  # the default: measured at start (issue 6)
+        (["-e", "work_split=inventory", "-e", "total_batch_size=8192"], "--rank-batch-sizes 3,1"),
+        (["-e", "work_split=even"], None),
+    ],
+)
+def test_work_split_reaches_the_trainer_flags(tmp_path: Path, extra: list[str], flag: str | None) -> None:
+    res = run_config_on_localhost(tmp_path, {"workstation": 3, "laptop": 1}, *extra)
+    out = res.stdout + res.stderr
+    assert res.returncode == 0, out
+    args = re.search(r"ARGS ([^\"]+)", out).group(1)
+    if flag:
+        assert flag in args, args
+    else:
+        assert "--rank-batch-sizes" not in args, args
+
+
+def test_work_split_from_the_inventory_is_checked_per_host(tmp_path: Path) -> None:
+    res = run_config_on_localhost(tmp_path, {"workstation": 3, "laptop": 0}, "-e", "work_split=inventory")
+    assert res.returncode != 0
+    assert "laptop: train_rows=0 must be a positive integer" in res.stdout
+    res = run_config_on_localhost(tmp_path, {"workstation": 3, "laptop": 1}, "-e", "work_split=inventory",
+                                  "-e", "total_batch_size=1000", "-e", "max_seq_len=256")
+    out = " ".join(res.stdout.split())
+    assert res.returncode != 0
+    assert "the sum of every rank's train_rows x max_seq_len = 3+1 x 256 = 1024" in out, out
+    assert "Nearest valid total_batch_size: 1024 (-e total_batch_size=1024)" in out, out

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import shutil
 import signal
 import sqlite3
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.torchrun_helpers import REPO, free_port, kill_tree, run_torchrun, spawn_node
+from tests.torchrun_helpers import REPO, free_port, kill_tree, node_env, run_torchrun, spawn_node, torchrun_cmd
 
 STEP_LINE = re.compile(r"step (\d+)/\d+ loss=([0-9.]+)")
 
@@ -76,7 +79,10 @@ def test_two_ranks_train_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_
     with sqlite3.connect(db) as con:
         names = {r[0] for r in con.execute("select name from runs")}
         metrics = {r[0] for r in con.execute("select distinct key from metrics")}
-    assert names == {"test"} and {"train_loss", "tok_per_s", "mfu", "val_bpb"} <= metrics
+    assert names == {"test"} and {"train_loss", "tok_per_s", "mfu", "val_bpb", "vs_fastest_node_est"} <= metrics
+    # whether two ranks beat one alone is said once, at the first timing step (issue 6)
+    assert len(re.findall(r"cluster [\d,]+ tok/s with 2 ranks = [\d.]+x what rank \d@\S+ would do alone",
+                          first.stdout)) == 1
 
     # crash after step 8's checkpoint: drop the newer one, as if the run died before it
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000012")
@@ -122,6 +128,50 @@ def test_killing_one_rank_makes_the_other_exit(tiny_data_dir, tiny_tokenizer_dir
     assert code != 0
     assert waited < 15 + 30 + 10, f"survivor took {waited:.0f}s to give up"
     assert "FATAL" in out and "collective" in out and "rank 1@" in out
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2 or not shutil.which("taskset"), reason="needs 2 CPUs and taskset")
+def test_measured_split_gives_the_faster_node_more_rows_and_resume_keeps_it(tiny_data_dir, tiny_tokenizer_dir,
+                                                                            tmp_path):
+    """Node 1 shares its core with two busy loops (a third of a core): the start-up calibration must
+    see it and give node 0 more rows; the step's tokens stay the same, and a resumed run reuses the
+    split from the checkpoint instead of measuring again (issue 6)."""
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / "run", rank_batch_sizes="auto")
+
+    def two_nodes() -> list[tuple[int, str, float]]:
+        port = free_port()
+        nodes = [subprocess.Popen(["taskset", "-c", str(rank), *torchrun_cmd(1, port, train_target(*flags), 2, rank)],
+                                  env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  cwd=REPO, start_new_session=True) for rank in range(2)]
+        try:
+            return [finish(p, timeout=180) for p in nodes]
+        finally:
+            for p in nodes:
+                kill_tree(p.pid, signal.SIGKILL)
+
+    hogs = [subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        first = two_nodes()
+        shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000012")
+        second = two_nodes()
+    finally:
+        for h in hogs:
+            h.kill()
+    (code0, out0, _), (code1, out1, _) = first
+    assert code0 == 0 and code1 == 0, out0 + out1
+    split = re.search(r"calibrated work split: rank 0@\S+ (\d+) ms/micro-batch -> (\d+) rows, "
+                      r"rank 1@\S+ (\d+) ms/micro-batch -> (\d+) rows", out0)
+    assert split, out0
+    fast_ms, fast_rows, slow_ms, slow_rows = map(int, split.groups())
+    assert slow_ms > 2 * fast_ms and (fast_rows, slow_rows) == (3, 1), split.group(0)
+    assert "batch: 256 tokens/step = 1 micro-steps x rows [3, 1] x 64 tokens" in out0
+    (code0, again, _), (code1, out1, _) = second
+    assert code0 == 0 and code1 == 0, again + out1
+    assert "work split from the checkpoint: [3, 1]" in again and "calibrated" not in again
+    full, resumed = losses(out0), losses(again)
+    assert sorted(resumed) == [9, 10, 11, 12]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
 
 
 def test_cuda_present_but_cpu_requested_uses_fp32_sdpa_gloo(tiny_data_dir, tiny_tokenizer_dir, tmp_path):

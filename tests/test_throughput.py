@@ -1,0 +1,54 @@
+"""The cluster-vs-one-node estimate (nanochat_cpu.throughput), on timings measured on the
+container cluster (cluster/scaling_bench.py, depth 4, 3,072 tokens a step, 0.6 CPU per node)."""
+
+from __future__ import annotations
+
+import pytest
+
+from nanochat_cpu.throughput import RankTiming, estimate, verdict
+
+TOKENS = 3072
+UNIT = 6 * 256  # rows per micro-step x seq
+
+
+def three_nodes(wait_s: float, step_s: float, compute_s: float = 0.523) -> list[RankTiming]:
+    return [RankTiming(f"node{r}", TOKENS // 3, compute_s, wait_s, step_s) for r in range(3)]
+
+
+def test_slow_link_is_called_out_with_the_break_even_batch():
+    # 100 Mbit/s, even CPUs: measured 602 tok/s; node0 alone measured 1,967 tok/s
+    timings = three_nodes(wait_s=4.532, step_s=5.106)
+    est = estimate(timings, TOKENS)
+    assert est.cluster_tok_per_s == pytest.approx(602, abs=1)
+    assert est.alone_tok_per_s[est.fastest] == pytest.approx(1784, rel=0.01)  # within 10% of measured
+    assert est.vs_fastest == pytest.approx(0.34, abs=0.01)
+    # cluster 3072 x a + 4.583 s = alone 3072 x c + 0.153 s  ->  T = 4.430 / (c - a)
+    assert est.break_even_tokens == pytest.approx(13_010, rel=0.01)
+    slower, line = verdict(est, timings, TOKENS, UNIT)
+    assert slower
+    assert line.startswith("SLOWER THAN ONE NODE: cluster 602 tok/s with 3 ranks = 0.34x what rank 0@node0")
+    assert "--total-batch-size >= 13,824 (break-even at this split; now 3,072)" in line
+    assert "--param-comm-dtype bfloat16" in line
+    assert "--rank-batch-sizes" not in line  # the ranks computed alike
+
+
+def test_fast_link_is_reported_as_a_gain():
+    # unlimited link, even CPUs: measured 4,455 tok/s = 2.26x node0 alone
+    timings = three_nodes(wait_s=0.101, step_s=0.690, compute_s=0.522)
+    est = estimate(timings, TOKENS)
+    assert est.vs_fastest == pytest.approx(2.56, abs=0.01)  # a rank computes a bit slower inside the cluster
+    assert est.break_even_tokens == 0  # the cluster wins at any batch
+    slower, line = verdict(est, timings, TOKENS, UNIT)
+    assert not slower and line.startswith("cluster 4,452 tok/s with 3 ranks = 2.56x what rank 0")
+
+
+def test_a_slow_rank_on_an_even_split_can_never_break_even():
+    # one node at a quarter of the fast node's speed, the same rows for both: the cluster's compute
+    # per token (bound by the slow rank) is worse than the fast node doing everything alone
+    timings = [RankTiming("workstation", 1536, 0.40, 1.30, 1.80), RankTiming("laptop", 1536, 1.60, 0.05, 1.80)]
+    est = estimate(timings, TOKENS)
+    assert est.fastest == 0 and est.break_even_tokens is None
+    slower, line = verdict(est, timings, TOKENS, UNIT)
+    assert slower and "rank 0@workstation" in line
+    assert "break-even" not in line
+    assert "--rank-batch-sizes auto or per-host rows (compute per step is uneven: 0.40-1.60 s)" in line
