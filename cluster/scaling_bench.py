@@ -52,6 +52,7 @@ class Node:
     ipv4: str
     interface: str
     cpus: float | None  # the inventory's node_cpus, restored at the end
+    bandwidth: str  # the inventory's node_bandwidth ("none" = unlimited), restored at the end
 
 
 @dataclass
@@ -87,7 +88,7 @@ def read_inventory(inventory: Path) -> tuple[list[Node], str]:
     hostvars = raw["_meta"]["hostvars"]
     order = raw.get("master", {}).get("hosts", []) + raw.get("workers", {}).get("hosts", [])
     nodes = [Node(h, hostvars[h]["ansible_host"], hostvars[h]["node_ipv4"], hostvars[h]["train_interface"],
-                  hostvars[h].get("node_cpus")) for h in order]
+                  hostvars[h].get("node_cpus"), hostvars[h].get("node_bandwidth") or "none") for h in order]
     dataset = next((v.get("dataset_name") for v in hostvars.values() if v.get("dataset_name")), "fortunes")
     return nodes, dataset
 
@@ -252,7 +253,7 @@ def main() -> int:
                         record(r)
                         print(f"# {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
     for n in nodes:  # back to what the inventory says
-        set_link(n, "none")
+        set_link(n, n.bandwidth)
         set_cpu(n, n.cpus)
     print_table(results)
     return 0

@@ -2,7 +2,8 @@
 
 With N ranks the optimizer also does the gradient synchronisation, ZeRO-2 style:
 
-1. reduce: each rank receives the summed gradient of only the slice it owns,
+1. reduce: each rank receives every rank's gradient of only the slice it owns (an all-to-all:
+   Gloo's own reduce-scatter moves as many bytes as an all-reduce) and sums them,
 2. it updates that slice with its own (sharded) optimizer state,
 3. all-gather: every rank receives every updated slice, straight into the parameters.
 
@@ -46,7 +47,6 @@ NS_COEFFS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 
 # torch 2.13 renamed the tensor collectives (the old names warn); older torch has only the old ones
-reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
@@ -95,6 +95,7 @@ class Group:
     grad_slice: torch.Tensor | None = None  # the summed gradient of the owned units
     master: torch.Tensor | None = None  # the owned units' values, updated, then all-gathered
     update_buf: torch.Tensor | None = None  # every rank's rounded update (--param-comm-dtype bfloat16)
+    recv_buf: torch.Tensor | None = None  # every rank's gradient of the owned slice, before the sum
     ready: int = 0  # parameters whose last-micro-step gradient is complete
     pending: list = field(default_factory=list)  # in-flight collectives of this step
 
@@ -185,8 +186,12 @@ class MuonAdamW:
             self._start_sparse_reduce(g)
             return
         send = g.grad_buf if self.comm_dtype == g.grad_buf.dtype else g.grad_buf.to(self.comm_dtype)
-        recv = g.grad_slice if self.comm_dtype == g.grad_buf.dtype else torch.empty_like(send[: g.shard])
-        g.pending = [("dense", recv, reduce_scatter(recv, send, op=dist.ReduceOp.SUM, async_op=True))]
+        if g.recv_buf is None:
+            g.recv_buf = torch.empty_like(send)
+        # each rank receives every rank's copy of its own slice and adds them up (_finish_reduce):
+        # the bytes of an optimal reduce-scatter. Gloo's reduce_scatter costs an all-reduce
+        # (measured on 3 nodes at 100 Mbit/s: 1.95 s for 16 MiB, all-reduce 1.92 s, this 1.54 s)
+        g.pending = [("dense", g.recv_buf, dist.all_to_all_single(g.recv_buf, send, async_op=True))]
 
     def _start_sparse_reduce(self, g: Group) -> None:
         """All-gather (row id, gradient row) for the rows this rank touched; padded to the
@@ -216,9 +221,9 @@ class MuonAdamW:
             self.last_comm_wait += time.perf_counter() - t0
             got[kind] = tensor
         g.pending = []
-        if "dense" in got:
-            if got["dense"] is not g.grad_slice:
-                g.grad_slice.copy_(got["dense"])
+        if "dense" in got:  # (world, shard, *unit): every rank's gradient of this rank's slice
+            torch.sum(got["dense"].view(self.world_size, *g.grad_slice.shape), dim=0, dtype=g.grad_slice.dtype,
+                      out=g.grad_slice)
             return
         # rows from every rank, in rank order: add up those in this rank's slice
         lo = self.rank * g.shard

@@ -136,11 +136,13 @@ def test_measured_split_gives_the_faster_node_more_rows_and_resume_keeps_it(tiny
     """Node 1 shares its core with two busy loops (a third of a core): the start-up calibration must
     see it and give node 0 more rows; the step's tokens stay the same, and a resumed run reuses the
     split from the checkpoint instead of measuring again (issue 6)."""
-    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / "run", rank_batch_sizes="auto")
+    def flags(rank: int) -> list[str]:  # each node its own run directory, as on real machines
+        return tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"node{rank}", rank_batch_sizes="auto")
 
     def two_nodes() -> list[tuple[int, str, float]]:
         port = free_port()
-        nodes = [subprocess.Popen(["taskset", "-c", str(rank), *torchrun_cmd(1, port, train_target(*flags), 2, rank)],
+        nodes = [subprocess.Popen(["taskset", "-c", str(rank), *torchrun_cmd(1, port, train_target(*flags(rank)), 2,
+                                                                            rank)],
                                   env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                   cwd=REPO, start_new_session=True) for rank in range(2)]
         try:
@@ -152,7 +154,8 @@ def test_measured_split_gives_the_faster_node_more_rows_and_resume_keeps_it(tiny
     hogs = [subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
         first = two_nodes()
-        shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000012")
+        for rank in range(2):
+            shutil.rmtree(tmp_path / f"node{rank}" / "checkpoints" / "step_000012")
         second = two_nodes()
     finally:
         for h in hogs:
@@ -163,7 +166,7 @@ def test_measured_split_gives_the_faster_node_more_rows_and_resume_keeps_it(tiny
                       r"rank 1@\S+ (\d+) ms/micro-batch -> (\d+) rows", out0)
     assert split, out0
     fast_ms, fast_rows, slow_ms, slow_rows = map(int, split.groups())
-    assert slow_ms > 2 * fast_ms and (fast_rows, slow_rows) == (3, 1), split.group(0)
+    assert slow_ms > 1.5 * fast_ms and (fast_rows, slow_rows) == (3, 1), split.group(0)
     assert "batch: 256 tokens/step = 1 micro-steps x rows [3, 1] x 64 tokens" in out0
     (code0, again, _), (code1, out1, _) = second
     assert code0 == 0 and code1 == 0, again + out1
