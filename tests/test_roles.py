@@ -312,7 +312,8 @@ def run_config_on_localhost(tmp_path: Path, rows: dict[str, object], *extra: str
         f"    {host}: {{train_rows: {value}}}\n" for host, value in rows.items()))
     (tmp_path / "show.yml").write_text(
         "- hosts: localhost\n  gather_facts: false\n  roles: [run_config]\n"
-        "  tasks:\n    - ansible.builtin.debug:\n        msg: 'ARGS {{ run_config_train_args | trim }}'\n")
+        "  tasks:\n    - ansible.builtin.copy:\n        content: '{{ run_config_train_args | trim }}'\n"
+        f"        dest: {tmp_path / 'train_args'}\n        mode: '0644'\n")
     return subprocess.run(
         [tool("ansible-playbook"), "-i", "inventory/example", "-i", str(tmp_path / "localhost.yml"), "-i",
          str(tmp_path / "rows.yml"), str(tmp_path / "show.yml"), *extra],
@@ -329,10 +330,16 @@ def run_config_on_localhost(tmp_path: Path, rows: dict[str, object], *extra: str
     ],
 )
 def test_work_split_reaches_the_trainer_flags(tmp_path: Path, extra: list[str], flag: str | None) -> None:
-    res = run_config_on_localhost(tmp_path, {"workstation": 3, "laptop": 1}, *extra)
+    # the extra trainer flags must land on the same line as the rest: the env file's TRAIN_ARGS ends
+    # at the first line break (a run then trained without its paths: every rank refused
+    # --data-dir=data)
+    res = run_config_on_localhost(tmp_path, {"workstation": 3, "laptop": 1}, *extra,
+                                  "-e", "train_extra_args='--collective-timeout 60'")
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
-    args = re.search(r"ARGS ([^\"]+)", out).group(1)
+    args = (tmp_path / "train_args").read_text()
+    assert "\n" not in args, repr(args)
+    assert args.endswith(" --collective-timeout 60"), repr(args)
     if flag:
         assert flag in args, args
     else:
