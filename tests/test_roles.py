@@ -326,7 +326,8 @@ def run_config_on_localhost(tmp_path: Path, rows: dict[str, object], *extra: str
     [
         (["-e", "work_split=auto"], "--rank-batch-sizes auto"),  # measured at start (issue 6)
         (["-e", "work_split=inventory", "-e", "total_batch_size=8192"], "--rank-batch-sizes 3,1"),
-        ([], None),  # the default: even
+        ([], "--rank-batch-sizes auto"),  # the default
+        (["-e", "work_split=even"], None),
     ],
 )
 def test_work_split_reaches_the_trainer_flags(tmp_path: Path, extra: list[str], flag: str | None) -> None:
