@@ -33,6 +33,7 @@ from .config import TrainConfig  # noqa: E402
 from .model import GPT, flops_per_token, model_config_from, parameter_breakdown  # noqa: E402
 from .optim import build_optimizer  # noqa: E402
 from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib  # noqa: E402
+from .shm import make_arena  # noqa: E402
 
 
 class SyntheticBatches:
@@ -72,7 +73,8 @@ def worker(args: argparse.Namespace) -> None:
     model.init_weights(0)
     muon_dtype = torch.bfloat16 if args.muon_dtype == "bfloat16" or (
         args.muon_dtype == "auto" and cpu_has_native_bf16()) else torch.float32
-    opt = build_optimizer(model, cfg, rank, world, muon_dtype)
+    arena, _ = make_arena(args.local_comm, rank, world, torch.device("cpu"), model)
+    opt = build_optimizer(model, cfg, rank, world, muon_dtype, arena)
     fwd = torch.compile(model, dynamic=False) if args.compile == "on" else model
     peak = measure_matmul_peak(torch.device("cpu"), torch.float32)
     fpt = flops_per_token(model)
@@ -97,6 +99,7 @@ def worker(args: argparse.Namespace) -> None:
                 times[k].append(v)
     mean = {k: sum(v) / len(v) for k, v in times.items()}
     result = {"depth": args.depth, "nproc": world, "compile": args.compile, "comm_dtype": args.comm_dtype,
+              "local_comm": args.local_comm,
               "vocab": vocab, "tokens_per_step": args.total_batch_size, "threads": torch.get_num_threads(),
               "step_ms": round(mean["step"] * 1000, 1),
               "tok_per_s": round(args.total_batch_size / mean["step"], 1),
@@ -122,7 +125,8 @@ def launch(args: argparse.Namespace, depth: int, nproc: int, compile_mode: str) 
     common = ["--depth", str(depth), "--compile", compile_mode, "--steps", str(args.steps),
               "--warmup", str(args.warmup), "--max-seq-len", str(args.max_seq_len),
               "--total-batch-size", str(args.total_batch_size), "--vocab-size", str(args.vocab_size),
-              "--muon-dtype", args.muon_dtype, "--overlap", args.overlap, "--comm-dtype", args.comm_dtype]
+              "--muon-dtype", args.muon_dtype, "--overlap", args.overlap, "--comm-dtype", args.comm_dtype,
+              "--local-comm", args.local_comm]
     if args.tokenizer_dir:
         common += ["--data-dir", args.data_dir, "--tokenizer-dir", args.tokenizer_dir]
     if nproc == 1:
@@ -162,6 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--muon-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--overlap", choices=("on", "off"), default="on",
                    help="start gradient reduce-scatters from backward hooks (the trainer always does)")
+    p.add_argument("--local-comm", choices=("auto", "shm", "gloo"), default="auto",
+                   help="ranks on one host share buffers in /dev/shm (the trainer's --local-comm)")
     p.add_argument("--comm-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="gradients and parameter updates on the wire (the trainer's --grad/--param-comm-dtype)")
     p.add_argument("--data-dir", default=None)

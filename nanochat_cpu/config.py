@@ -82,6 +82,12 @@ class TrainConfig:
                   "help": "dtype updated parameters travel in; bfloat16 sends rounded updates (half the bytes), "
                           "weights stay identical on every rank"},
     )
+    local_comm: str = field(
+        default="auto",
+        metadata={"choices": ("auto", "shm", "gloo"),
+                  "help": "ranks all on one host: share parameters and gradients in /dev/shm instead of sending "
+                          "them through Gloo (auto: where possible)"},
+    )
     # evaluation, logging, checkpoints
     eval_every: int = field(default=100, metadata={"help": "steps between val bpb evaluations (0 = only at end)"})
     eval_tokens: int = field(default=16384, metadata={"help": "validation tokens per evaluation"})

@@ -26,6 +26,10 @@ Where the bytes go (the wire is the bottleneck between a workstation and a lapto
   backward pass (`sync_in_backward`), as soon as the group's last gradient is complete, so the
   LM head's communication overlaps the backward pass of the blocks below it.
 
+With every rank on one host (`shm.SharedArena`), the parameters and every rank's gradients live in
+shared memory instead: each rank sums its slice from the others' gradient buffers and updates its
+slice of the one parameter copy in place; two barriers per step replace the collectives.
+
 Collectives are completed with `Work.wait()`, never `Work.get_future()`, which Gloo does not
 implement for reduce-scatter.
 
@@ -40,6 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from .shm import SharedArena
 
 # Quintic Newton-Schulz coefficients (Keller Jordan, modded-nanogpt): maximise the slope at
 # zero so 5 iterations push all singular values into roughly [0.7, 1.2].
@@ -91,6 +97,7 @@ class Group:
     # N ranks: persistent buffers of shape (shard x world, *unit); parameters and grads are views
     param_buf: torch.Tensor | None = None
     grad_buf: torch.Tensor | None = None
+    grad_all: torch.Tensor | None = None  # shared memory: every rank's grad_buf, (world, ...)
     grad_views: list[torch.Tensor] = field(default_factory=list)  # each parameter's .grad, in grad_buf
     grad_slice: torch.Tensor | None = None  # the summed gradient of the owned units
     master: torch.Tensor | None = None  # the owned units' values, updated, then all-gathered
@@ -103,7 +110,7 @@ class Group:
 class MuonAdamW:
     def __init__(self, groups: list[Group], rank: int = 0, world_size: int = 1,
                  muon_dtype: torch.dtype = torch.float32, comm_dtype: torch.dtype = torch.float32,
-                 param_comm_dtype: torch.dtype = torch.float32):
+                 param_comm_dtype: torch.dtype = torch.float32, arena: SharedArena | None = None):
         self.groups = groups
         self.rank, self.world_size = rank, world_size
         self.muon_dtype = muon_dtype
@@ -112,6 +119,8 @@ class MuonAdamW:
         # Parameters travel in fp32, or as bf16-rounded updates that every rank (the owner too)
         # adds to its fp32 weights: half the bytes, and the weights stay bit-identical.
         self.param_comm_dtype = param_comm_dtype
+        # Ranks on one host: buffers in shared memory, nothing on the wire (no dtype to choose)
+        self.arena = arena
         self.step_count = 0
         self.last_comm_wait = 0.0  # seconds the last step spent blocked on communication
         # Set by the trainer around the last micro-step's backward: dense groups then start
@@ -131,6 +140,8 @@ class MuonAdamW:
             g.shard = -(-g.numel // world_size)  # ceil: slices of equal size, last one padded
             if world_size > 1:
                 self._make_buffers(g)
+        if self.arena is not None:
+            dist.barrier()  # every rank points at the shared copy before anyone trains on it
 
     # ---- buffers: parameters and gradients as views of one flat tensor per group ------------
 
@@ -141,22 +152,27 @@ class MuonAdamW:
     def _make_buffers(self, g: Group) -> None:
         p0, unit = g.params[0], self._unit(g)
         shape = (g.shard * self.world_size, *unit)
-        g.param_buf = torch.zeros(shape, dtype=p0.dtype, device=p0.device)
-        g.grad_buf = torch.zeros(shape, dtype=p0.dtype, device=p0.device)
+        if self.arena is not None:
+            g.param_buf = self.arena.tensor(f"{g.name}.param", shape, p0.dtype)
+            g.grad_all = self.arena.tensor(f"{g.name}.grad", (self.world_size, *shape), p0.dtype)
+            g.grad_buf = g.grad_all[self.rank]
+        else:
+            g.param_buf = torch.zeros(shape, dtype=p0.dtype, device=p0.device)
+            g.grad_buf = torch.zeros(shape, dtype=p0.dtype, device=p0.device)
         flat_p, flat_g, offset = g.param_buf.view(-1), g.grad_buf.view(-1), 0
         for p in g.params:
             n = p.numel()
             data, grad = flat_p[offset: offset + n].view_as(p), flat_g[offset: offset + n].view_as(p)
-            data.copy_(p.data)
+            data.copy_(p.data)  # shared: every rank writes the same initial values
             p.data = data  # the module now reads and trains the buffer itself
             p.grad = grad
             g.grad_views.append(grad)
             offset += n
-            if not g.sparse_rows:
+            if not g.sparse_rows and self.arena is None:
                 p.register_post_accumulate_grad_hook(self._grad_ready_hook(g))
         g.grad_slice = torch.zeros((g.shard, *unit), dtype=p0.dtype, device=p0.device)
         g.master = torch.zeros_like(g.grad_slice)
-        if self.param_comm_dtype != p0.dtype:
+        if self.param_comm_dtype != p0.dtype and self.arena is None:
             g.update_buf = torch.zeros(shape, dtype=self.param_comm_dtype, device=p0.device)
 
     def _grad_ready_hook(self, g: Group):
@@ -291,6 +307,9 @@ class MuonAdamW:
                 grads = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params])
                 self._muon(g, [p.data for p in g.params], grads, len(g.params))
             return
+        if self.arena is not None:
+            self._step_shared()
+            return
         # dense groups whose hooks did not fire (no sync_in_backward), then the sparse tables
         # (their gradients complete last: the embeddings are the first layer)
         for g in sorted(self.groups, key=lambda g: g.sparse_rows):
@@ -317,6 +336,27 @@ class MuonAdamW:
             self.last_comm_wait += time.perf_counter() - t0
             if g.update_buf is not None:  # the same rounded update on every rank, owner included
                 g.param_buf.add_(g.update_buf)
+
+    def _barrier(self) -> None:
+        t0 = time.perf_counter()
+        dist.barrier()
+        self.last_comm_wait += time.perf_counter() - t0
+
+    def _step_shared(self) -> None:
+        """The N-rank step on one host: gradients and parameters are already shared memory."""
+        for g in self.groups:
+            self._grads_into_buffer(g)
+        self._barrier()  # every rank's gradients are complete
+        for g in self.groups:
+            lo = self.rank * g.shard
+            # the same sum in the same rank order as the all-to-all path
+            torch.sum(g.grad_all[:, lo: lo + g.shard], dim=0, out=g.grad_slice)
+            owned = g.param_buf[lo: lo + g.shard]  # no other rank reads or writes it until the barrier
+            if g.kind == "muon":
+                self._muon(g, owned, g.grad_slice, self._owned_units(g))
+            else:
+                self._adamw(g, [owned], [g.grad_slice])
+        self._barrier()  # every slice updated and every gradient read: the next step may start
 
     def zero_grad(self) -> None:
         for g in self.groups:
@@ -350,7 +390,8 @@ class MuonAdamW:
             g.state = {k: v.clone() for k, v in sd["groups"][g.name].items()}
 
 
-def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dtype) -> MuonAdamW:
+def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dtype,
+                    arena: SharedArena | None = None) -> MuonAdamW:
     from .model import parameter_groups
 
     groups = parameter_groups(model)
@@ -370,4 +411,4 @@ def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dt
                   weight_decay=cfg.weight_decay) for shape, ps in sorted(by_shape.items())]
     wire = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     return MuonAdamW([g for g in adamw if g.params] + muon, rank, world_size, muon_dtype,
-                     wire[cfg.grad_comm_dtype], wire[cfg.param_comm_dtype])
+                     wire[cfg.grad_comm_dtype], wire[cfg.param_comm_dtype], arena)

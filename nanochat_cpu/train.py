@@ -47,6 +47,7 @@ from .dist import (
 from .model import GPT, flops_per_token, model_config_from, parameter_breakdown
 from .optim import MuonAdamW, build_optimizer
 from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib
+from .shm import make_arena
 from .tokenizer import Tokenizer
 from .tracking import Tracker
 
@@ -400,7 +401,13 @@ def run(cfg: TrainConfig) -> None:
     model = GPT(mcfg)
     model.init_weights(cfg.seed)
     model.to(env.device)
-    opt = build_optimizer(model, cfg, env.rank, env.world_size, muon_dtype)
+    try:
+        arena, local_why = make_arena(cfg.local_comm, env.rank, env.world_size, env.device, model)
+    except ValueError as exc:
+        fail(env, EXIT_CONFIG, str(exc))
+    if env.distributed:
+        log(env, f"local comm: {local_why}")
+    opt = build_optimizer(model, cfg, env.rank, env.world_size, muon_dtype, arena)
     fpt = flops_per_token(model)
     if env.master:
         parts = parameter_breakdown(model)

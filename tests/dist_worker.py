@@ -3,6 +3,7 @@
 `step OUT [SIZES]`: two optimizer steps of a small GPT on a fixed global batch, each rank taking
 its contiguous share of the rows (SIZES like "4,2": rows per rank, weighted by tokens as the
 trainer does; default an even split); writes the final parameters to OUT (rank 0).
+LOCAL_COMM=shm shares the optimizer's buffers in /dev/shm (the ranks are on one host), default gloo.
 `diverge`: perturb one parameter on the last rank, then run the cross-rank checksum guard.
 """
 
@@ -19,6 +20,7 @@ from nanochat_cpu.config import TrainConfig
 from nanochat_cpu.dist import DistEnv, check_parameters_agree
 from nanochat_cpu.model import GPT, model_config_from
 from nanochat_cpu.optim import build_optimizer
+from nanochat_cpu.shm import make_arena
 
 GLOBAL_ROWS, SEQ, VOCAB = 6, 32, 300
 
@@ -53,7 +55,10 @@ def step(out: str, split: str | None) -> None:
     model = make_model()
     cfg = TrainConfig(weight_decay=0.1, grad_comm_dtype=os.environ.get("GRAD_COMM_DTYPE", "float32"),
                       param_comm_dtype=os.environ.get("PARAM_COMM_DTYPE", "float32"))
-    opt = build_optimizer(model, cfg, env.rank, env.world_size, torch.float32)
+    arena = None
+    if env.world_size > 1:
+        arena, _ = make_arena(os.environ.get("LOCAL_COMM", "gloo"), env.rank, env.world_size, env.device, model)
+    opt = build_optimizer(model, cfg, env.rank, env.world_size, torch.float32, arena)
     # Adam's eps=1e-10 turns gradients of ~1e-12 (summed in another order on N ranks) into
     # full-size steps of either sign; a larger eps keeps the comparison about the sharding.
     for g in opt.groups:
@@ -72,7 +77,7 @@ def step(out: str, split: str | None) -> None:
                 opt.sync_in_backward = i == len(chunks) - 1
                 loss = model(chunk[:, :-1], chunk[:, 1:])
                 (loss * chunk.size(0) / GLOBAL_ROWS).backward()
-            if env.world_size > 1:  # every dense group's reduce-scatter is already on the wire
+            if env.world_size > 1 and opt.arena is None:  # every dense group's reduce is already on the wire
                 assert all(g.pending for g in opt.groups if not g.sparse_rows), "hooks did not start the reduce"
         else:
             loss = model(mine[:, :-1], mine[:, 1:])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +23,18 @@ def reference(tmp_path_factory) -> dict[str, torch.Tensor]:
     return torch.load(out)
 
 
+def shm_files() -> set[str]:
+    return {p.name for p in Path("/dev/shm").glob("nanochat-*")}
+
+
+@pytest.mark.parametrize("local_comm", ["gloo", "shm"])
 @pytest.mark.parametrize("world", [2, 3])
-def test_n_rank_step_equals_one_rank_step(world, reference, tmp_path):
+def test_n_rank_step_equals_one_rank_step(world, local_comm, reference, tmp_path):
+    """Through Gloo, and with the ranks' buffers in shared memory (one host): the 1-rank step."""
     out = tmp_path / "params.pt"
-    proc = run_torchrun(world, [WORKER, "step", str(out)])
+    before = shm_files()
+    proc = run_torchrun(world, [WORKER, "step", str(out)], env_extra={"LOCAL_COMM": local_comm})
+    assert shm_files() <= before, "the run left its shared-memory files behind"
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = torch.load(out)
     assert got.keys() == reference.keys()
@@ -36,23 +45,23 @@ def test_n_rank_step_equals_one_rank_step(world, reference, tmp_path):
     assert moved == len(reference) > 10
 
 
-@pytest.mark.parametrize("split", ["4,2", "1,2,3"])
-def test_uneven_token_weighted_split_equals_even_split(split, reference, tmp_path):
+@pytest.mark.parametrize(("split", "local_comm"), [("4,2", "gloo"), ("1,2,3", "gloo"), ("1,2,3", "shm")])
+def test_uneven_token_weighted_split_equals_even_split(split, local_comm, reference, tmp_path):
     """A fast host taking more rows per step must not change what is optimised (issue 6)."""
     out = tmp_path / "params.pt"
-    proc = run_torchrun(len(split.split(",")), [WORKER, "step", str(out), split])
+    proc = run_torchrun(len(split.split(",")), [WORKER, "step", str(out), split], env_extra={"LOCAL_COMM": local_comm})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = torch.load(out)
     for name, ref in reference.items():
         torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=2e-5, msg=f"{name} differs with split {split}")
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_accumulation_with_reduce_started_in_backward_equals_one_rank(world, reference, tmp_path):
+@pytest.mark.parametrize(("world", "local_comm"), [(2, "gloo"), (3, "gloo"), (2, "shm")])
+def test_accumulation_with_reduce_started_in_backward_equals_one_rank(world, local_comm, reference, tmp_path):
     """One row per micro-step, the last backward starting each group's reduce-scatter from its
     gradient hooks (sync_in_backward): still the 1-rank step."""
     out = tmp_path / "params.pt"
-    proc = run_torchrun(world, [WORKER, "step", str(out)], env_extra={"MICRO_ROWS": "1"})
+    proc = run_torchrun(world, [WORKER, "step", str(out)], env_extra={"MICRO_ROWS": "1", "LOCAL_COMM": local_comm})
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = torch.load(out)
     for name, ref in reference.items():
