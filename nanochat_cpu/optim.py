@@ -170,9 +170,11 @@ class MuonAdamW:
             offset += n
             if not g.sparse_rows and self.arena is None:
                 p.register_post_accumulate_grad_hook(self._grad_ready_hook(g))
+        if self.arena is not None:
+            return  # the shared buffers are all a step needs (_step_shared)
         g.grad_slice = torch.zeros((g.shard, *unit), dtype=p0.dtype, device=p0.device)
         g.master = torch.zeros_like(g.grad_slice)
-        if self.param_comm_dtype != p0.dtype and self.arena is None:
+        if self.param_comm_dtype != p0.dtype:
             g.update_buf = torch.zeros(shape, dtype=self.param_comm_dtype, device=p0.device)
 
     def _grad_ready_hook(self, g: Group):
@@ -349,13 +351,17 @@ class MuonAdamW:
         self._barrier()  # every rank's gradients are complete
         for g in self.groups:
             lo = self.rank * g.shard
-            # the same sum in the same rank order as the all-to-all path
-            torch.sum(g.grad_all[:, lo: lo + g.shard], dim=0, out=g.grad_slice)
+            # Only this rank reads its own slice of its own gradients: sum the others' into it, in
+            # place (a third of the memory traffic of a separate sum, half the time of torch.sum)
+            grad = g.grad_all[self.rank, lo: lo + g.shard]
+            for r in range(self.world_size):
+                if r != self.rank:
+                    grad.add_(g.grad_all[r, lo: lo + g.shard])
             owned = g.param_buf[lo: lo + g.shard]  # no other rank reads or writes it until the barrier
             if g.kind == "muon":
-                self._muon(g, owned, g.grad_slice, self._owned_units(g))
+                self._muon(g, owned, grad, self._owned_units(g))
             else:
-                self._adamw(g, [owned], [g.grad_slice])
+                self._adamw(g, [owned], [grad])
         self._barrier()  # every slice updated and every gradient read: the next step may start
 
     def zero_grad(self) -> None:
