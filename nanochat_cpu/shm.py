@@ -39,7 +39,7 @@ def plan(mode: str, world_size: int, local_world_size: int, device: torch.device
     if world_size == 1:
         return False, "one rank"
     if mode == "gloo":
-        return False, "--local-comm gloo: parameters and gradients go through the process group"
+        return False, "asked for"
     if device.type != "cpu":
         return False, f"device {device.type}: NCCL already uses shared memory within a host"
     if local_world_size != world_size:
@@ -59,7 +59,7 @@ def make_arena(mode: str, rank: int, world_size: int, device: torch.device,
     """The shared-memory arena for the optimizer (or None) and the banner's reason; collective."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     ok, why = plan(mode, world_size, local, device, buffer_bytes(model, world_size))
-    if world_size > 1 and mode != "gloo":
+    if world_size > 1 and mode != "gloo" and device.type == "cpu":
         flag = torch.tensor([int(ok)])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # one rank short of /dev/shm: nobody shares
         if ok and not flag.item():
