@@ -8,7 +8,11 @@ that, rank 0 models each rank training alone on the same global batch:
     alone_r(T) = T x (compute_r / tokens_r)  +  world x optimizer_r
 
 (the optimizer part is the step minus compute minus waiting; each rank updates 1/world of the
-parameters, so alone it would do world times that), and the cluster as
+parameters, so alone it would do world times that). A node is a host: ranks that share one (2
+processes on a machine) are modelled as that machine alone running one process on all their
+cores, their compute rates added up and the optimizer's world shares spread over them (perfect
+thread scaling: an optimistic "alone", so the verdict errs towards calling the cluster slower).
+The cluster is modelled as
 
     cluster(T) = T x (slowest compute / T)  +  fixed    (fixed = the step minus the slowest compute:
                                                          the wire, the sharded optimizer)
@@ -35,8 +39,8 @@ class RankTiming:
 @dataclass
 class Estimate:
     cluster_tok_per_s: float
-    alone_tok_per_s: list[float]  # each rank alone at the same global batch (estimated)
-    fastest: int  # the rank that would be fastest alone
+    alone_tok_per_s: dict[str, float]  # each host alone at the same global batch (estimated)
+    fastest: str  # the host that would be fastest alone
     break_even_tokens: int | None  # global batch from which the cluster wins; None: never at this split
 
     @property
@@ -48,17 +52,25 @@ def optimizer_alone_s(t: RankTiming, world: int) -> float:
     return world * max(0.0, t.step_s - t.compute_s - t.wait_s)
 
 
+def host_alone(ranks: list[RankTiming], world: int) -> tuple[float, float]:
+    """(seconds per token, seconds per step) of one host training alone, from its ranks' timings."""
+    per_token = 1 / sum(t.tokens / max(t.compute_s, 1e-9) for t in ranks)
+    return per_token, sum(optimizer_alone_s(t, world) for t in ranks) / len(ranks) ** 2
+
+
 def estimate(timings: list[RankTiming], total_tokens: int) -> Estimate:
     world = len(timings)
     step_s = max(t.step_s for t in timings)
-    alone = [total_tokens / (total_tokens * t.compute_s / t.tokens + optimizer_alone_s(t, world)) for t in timings]
-    fastest = max(range(world), key=alone.__getitem__)
+    by_host: dict[str, list[RankTiming]] = {}
+    for t in timings:
+        by_host.setdefault(t.host, []).append(t)
+    lines = {host: host_alone(ranks, world) for host, ranks in by_host.items()}
+    alone = {host: total_tokens / (total_tokens * per_token + fixed) for host, (per_token, fixed) in lines.items()}
+    fastest = max(alone, key=alone.__getitem__)
     slowest_compute = max(t.compute_s for t in timings)
     cluster_per_token = slowest_compute / total_tokens
     fixed = step_s - slowest_compute
-    f = timings[fastest]
-    alone_per_token = f.compute_s / f.tokens
-    alone_fixed = optimizer_alone_s(f, world)
+    alone_per_token, alone_fixed = lines[fastest]
     if alone_per_token <= cluster_per_token:
         break_even = None  # the slowest rank computes its share slower than the fastest does everything
     else:
@@ -72,9 +84,11 @@ def round_up(tokens: int, unit: int) -> int:
 
 def verdict(est: Estimate, timings: list[RankTiming], total_tokens: int, unit: int) -> tuple[bool, str]:
     """(slower than the fastest node alone?, one log line that says so and what to change)."""
-    f = timings[est.fastest]
+    ranks = [r for r, t in enumerate(timings) if t.host == est.fastest]
+    who = (f"rank {ranks[0]}@{est.fastest} would do alone" if len(ranks) == 1 else
+           f"ranks {'+'.join(map(str, ranks))}@{est.fastest} would do alone as one process")
     head = (f"cluster {est.cluster_tok_per_s:,.0f} tok/s with {len(timings)} ranks = {est.vs_fastest:.2f}x what "
-            f"rank {est.fastest}@{f.host} would do alone (~{est.alone_tok_per_s[est.fastest]:,.0f} tok/s, est.)")
+            f"{who} (~{est.alone_tok_per_s[est.fastest]:,.0f} tok/s, est.)")
     if est.vs_fastest >= 1:
         return False, head
     compute = max(t.compute_s for t in timings)

@@ -47,8 +47,20 @@ def test_a_slow_rank_on_an_even_split_can_never_break_even():
     # per token (bound by the slow rank) is worse than the fast node doing everything alone
     timings = [RankTiming("workstation", 1536, 0.40, 1.30, 1.80), RankTiming("laptop", 1536, 1.60, 0.05, 1.80)]
     est = estimate(timings, TOKENS)
-    assert est.fastest == 0 and est.break_even_tokens is None
+    assert est.fastest == "workstation" and est.break_even_tokens is None
     slower, line = verdict(est, timings, TOKENS, UNIT)
     assert slower and "rank 0@workstation" in line
     assert "break-even" not in line
     assert "--rank-batch-sizes auto or per-host rows (compute per step is uneven: 0.40-1.60 s)" in line
+
+
+def test_ranks_sharing_a_host_are_compared_with_that_host_as_one_process():
+    # bench, depth 4 with nanochat's vocabulary: 2 processes on one 2-core machine, each computing
+    # 512 tokens in 0.575 s, optimizer 0.084 s, step 0.662 s; one process measured 1,656 tok/s.
+    # Comparing with one rank alone (its one thread) claimed 1.9x; the machine alone is the truth.
+    timings = [RankTiming("vm", 512, 0.575, 0.002, 0.662), RankTiming("vm", 512, 0.575, 0.002, 0.662)]
+    est = estimate(timings, 1024)
+    assert est.alone_tok_per_s["vm"] == pytest.approx(1024 / (0.575 + 0.085), rel=0.01)
+    assert est.vs_fastest == pytest.approx(1.0, abs=0.01)
+    _, line = verdict(est, timings, 1024, 1024)
+    assert "with 2 ranks = 1.00x what ranks 0+1@vm would do alone as one process (~1,552 tok/s, est.)" in line
