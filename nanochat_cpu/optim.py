@@ -163,7 +163,8 @@ class MuonAdamW:
         for p in g.params:
             n = p.numel()
             data, grad = flat_p[offset: offset + n].view_as(p), flat_g[offset: offset + n].view_as(p)
-            data.copy_(p.data)  # shared: every rank writes the same initial values
+            if self.arena is None or self.rank == 0:  # shared: one copy (the ranks' weights are equal)
+                data.copy_(p.data)
             p.data = data  # the module now reads and trains the buffer itself
             p.grad = grad
             g.grad_views.append(grad)
