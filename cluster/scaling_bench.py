@@ -111,6 +111,7 @@ def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: 
     flags = ["--depth", str(depth), "--max-seq-len", str(args.seq), "--device-batch-size", str(rows),
              "--total-batch-size", str(tokens), "--num-iterations", str(num_steps),
              "--grad-comm-dtype", wire, "--param-comm-dtype", wire,
+             "--dtype", "float32",  # the published table computes in fp32
              "--eval-every", "0", "--eval-tokens", str(args.seq * rows * world), "--sample-every", "0",
              "--checkpoint-every", "0", "--checksum-every", "0", "--tracking-uri", "none", "--compile", "off",
              "--resume", "never", "--collective-timeout", "900", "--run-name", "scaling",

@@ -206,7 +206,8 @@ def check_device(device: str) -> tuple[list[str], dict]:
              "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
              "physical_cores": physical_cores(), "cpu_native_bf16": cpu_has_native_bf16(),
              "backend": {"cpu": "gloo", "cuda": "nccl"}[device],
-             "dtype": "float32" if device == "cpu" else "bfloat16"}
+             # what --dtype auto picks on this node alone; a run takes fp32 if any rank's CPU lacks bf16
+             "dtype": "bfloat16" if device == "cuda" or cpu_has_native_bf16() else "float32"}
     problems = []
     host = socket.gethostname()
     if device == "cuda" and not torch.cuda.is_available():

@@ -53,16 +53,26 @@ from .tracking import Tracker
 
 # ---- device truth ------------------------------------------------------------------------------
 
-def resolve_dtype(cfg: TrainConfig) -> tuple[torch.dtype, str]:
-    """The compute dtype and the reason, from the requested device only."""
+def resolve_dtype(cfg: TrainConfig, lacking_bf16: list[str]) -> tuple[torch.dtype, str]:
+    """The compute dtype and the reason, from the requested device and the ranks' CPUs only.
+
+    `lacking_bf16` names the ranks (`rank r@host`) whose CPU has no native bf16. On CPU, auto
+    chooses bf16 autocast only when that list is empty: without AVX512-BF16 or AMX, bf16 is
+    emulated and slower than fp32, and one rule for every rank keeps the ranks' arithmetic alike.
+    A GPU that happens to be present plays no part.
+    """
     if cfg.dtype == "float32":
         return torch.float32, "requested --dtype float32"
     if cfg.dtype == "bfloat16":
         return torch.bfloat16, "requested --dtype bfloat16"
     if cfg.device == "cuda":
         return torch.bfloat16, "auto: --device cuda trains in bf16 autocast"
-    return torch.float32, ("auto: --device cpu trains in fp32 (bf16 is opt-in with --dtype bfloat16, "
-                           "useful only where the CPU has native bf16)")
+    if lacking_bf16:
+        verb = "lacks" if len(lacking_bf16) == 1 else "lack"
+        return torch.float32, (f"auto: fp32 because {', '.join(lacking_bf16)} {verb} native bf16 "
+                               f"(avx512_bf16/amx_bf16); bf16 is auto only where every rank's CPU has it")
+    return torch.bfloat16, ("auto: every rank's CPU has native bf16 (avx512_bf16/amx_bf16): bf16 autocast, "
+                            "fp32 weights and optimizer; --dtype float32 to opt out")
 
 
 def resolve_muon_dtype(cfg: TrainConfig) -> tuple[torch.dtype, str]:
@@ -337,7 +347,6 @@ def run(cfg: TrainConfig) -> None:
         validate(cfg, world_size)
     except ConfigError as exc:
         fail(None, EXIT_CONFIG, str(exc))
-    ctx_dtype, dtype_why = resolve_dtype(cfg)
     muon_dtype, muon_why = resolve_muon_dtype(cfg)
     compiled, compile_why = resolve_compile(cfg)
     torch.manual_seed(cfg.seed)
@@ -357,14 +366,18 @@ def run(cfg: TrainConfig) -> None:
     except RuntimeError as exc:
         fail(None, EXIT_CONFIG, str(exc))
     watchdog = Watchdog(env, cfg.collective_timeout + 30)
-    banner(env, cfg, dtype_why, muon_why, compile_why, ctx_dtype, muon_dtype, compiled)
+    native_bf16 = cpu_has_native_bf16()
+    lacking_bf16 = [] if native_bf16 else [f"rank 0@{env.host}"]
     if env.distributed:  # every rank stops if any host lacks its inputs, each naming that host
-        everyone: list[list[str] | None] = [None] * env.world_size
+        everyone: list[tuple[list[str], bool] | None] = [None] * env.world_size
         with watchdog.phase("all_gather input check", 0):
-            dist.all_gather_object(everyone, problems)
-        problems = [f"rank {r}@{env.hosts[r]}: {p}" for r, ps in enumerate(everyone) for p in ps or []]
-        if problems:
-            fail(env, EXIT_CONFIG, "bad inputs, no rank starts: " + " | ".join(problems))
+            dist.all_gather_object(everyone, (problems, native_bf16))
+        problems = [f"rank {r}@{env.hosts[r]}: {p}" for r, (ps, _) in enumerate(everyone) for p in ps]
+        lacking_bf16 = [f"rank {r}@{env.hosts[r]}" for r, (_, native) in enumerate(everyone) if not native]
+    ctx_dtype, dtype_why = resolve_dtype(cfg, lacking_bf16)
+    banner(env, cfg, dtype_why, muon_why, compile_why, ctx_dtype, muon_dtype, compiled)
+    if problems:
+        fail(env, EXIT_CONFIG, "bad inputs, no rank starts: " + " | ".join(problems))
 
     # fingerprint before anything that could block on uneven work
     mine = fingerprint.compute(env.host, cfg.data_dir, cfg.tokenizer_dir, config_hash(cfg),

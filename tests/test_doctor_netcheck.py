@@ -9,6 +9,7 @@ import sys
 import time
 
 from nanochat_cpu import doctor
+from nanochat_cpu.perf import cpu_has_native_bf16
 from tests.torchrun_helpers import REPO, free_port, node_env
 
 
@@ -52,7 +53,9 @@ def test_doctor_cli_reports_every_problem_and_exits_nonzero(tiny_data_dir, tiny_
     assert proc.returncode == len(report["problems"]) == 2
     assert any("OMP_NUM_THREADS is unset" in p for p in report["problems"])
     assert any("'eth-missing'" in p for p in report["problems"])
-    assert report["facts"]["backend"] == "gloo" and report["facts"]["dtype"] == "float32"
+    assert report["facts"]["backend"] == "gloo"
+    # --dtype auto on a CPU node follows the CPU's own bf16 support, nothing else
+    assert report["facts"]["dtype"] == ("bfloat16" if cpu_has_native_bf16() else "float32")
     assert len(report["facts"]["manifest_sha256"]) == 64 and report["facts"]["vocab_size"] == 512
 
 
