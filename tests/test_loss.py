@@ -11,8 +11,8 @@ from nanochat_cpu.loss import IGNORE_INDEX, softcapped_cross_entropy
 CAP = 15.0
 
 
-def plain(x, w, y, reduction="mean"):
-    return F.cross_entropy(CAP * torch.tanh((x @ w.t()).float() / CAP), y, ignore_index=IGNORE_INDEX,
+def plain(x, w, y, reduction="mean", cap=CAP):
+    return F.cross_entropy(cap * torch.tanh((x @ w.t()).float() / cap), y, ignore_index=IGNORE_INDEX,
                            reduction=reduction)
 
 
@@ -25,12 +25,13 @@ def inputs(n=300, d=48, v=5000, seed=0):
     return x, w, y
 
 
+@pytest.mark.parametrize("cap", [CAP, 3.0, 60.0])  # 60: past the cap where exp() needs a shift
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_loss_and_gradients_match_the_plain_form(dtype):
+def test_loss_and_gradients_match_the_plain_form(dtype, cap):
     x, w, y = inputs()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-        want = plain(x, w, y)
-        got = softcapped_cross_entropy(x, w, y, CAP)
+        want = plain(x, w, y, cap=cap)
+        got = softcapped_cross_entropy(x, w, y, cap)
     want_gx, want_gw = torch.autograd.grad(want * 3, (x, w))
     got_gx, got_gw = torch.autograd.grad(got * 3, (x, w))
     tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: both round the logits' gradient to bf16
