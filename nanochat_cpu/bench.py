@@ -32,7 +32,7 @@ import torch.distributed as dist  # noqa: E402
 from .config import TrainConfig  # noqa: E402
 from .model import GPT, flops_per_token, model_config_from, parameter_breakdown  # noqa: E402
 from .optim import build_optimizer  # noqa: E402
-from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib  # noqa: E402
+from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib, reuse_freed_memory  # noqa: E402
 from .shm import make_arena  # noqa: E402
 
 
@@ -50,6 +50,7 @@ class SyntheticBatches:
 
 
 def worker(args: argparse.Namespace) -> None:
+    allocator = reuse_freed_memory()  # as the trainer does
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:
@@ -99,7 +100,7 @@ def worker(args: argparse.Namespace) -> None:
                 times[k].append(v)
     mean = {k: sum(v) / len(v) for k, v in times.items()}
     result = {"depth": args.depth, "nproc": world, "compile": args.compile, "comm_dtype": args.comm_dtype,
-              "local_comm": args.local_comm,
+              "local_comm": args.local_comm, "malloc": allocator,
               "vocab": vocab, "tokens_per_step": args.total_batch_size, "threads": torch.get_num_threads(),
               "step_ms": round(mean["step"] * 1000, 1),
               "tok_per_s": round(args.total_batch_size / mean["step"], 1),

@@ -46,7 +46,7 @@ from .dist import (
 )
 from .model import GPT, flops_per_token, model_config_from, parameter_breakdown
 from .optim import MuonAdamW, build_optimizer
-from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib
+from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib, reuse_freed_memory
 from .shm import make_arena
 from .tokenizer import Tokenizer
 from .tracking import Tracker
@@ -330,7 +330,7 @@ def agree_on_resume_step(cfg: TrainConfig, env: DistEnv) -> int | None:
 # ---- the run -----------------------------------------------------------------------------------
 
 def banner(env: DistEnv, cfg: TrainConfig, dtype_why: str, muon_why: str, compile_why: str,
-           ctx_dtype: torch.dtype, muon_dtype: torch.dtype, compiled: bool) -> None:
+           ctx_dtype: torch.dtype, muon_dtype: torch.dtype, compiled: bool, allocator: str) -> None:
     attention = "SDPA (torch.nn.functional.scaled_dot_product_attention), sliding windows as boolean masks"
     log(env, f"nanochat_cpu {__version__} torch {torch.__version__} | device={env.device} "
              f"backend={env.backend or 'none (single process)'} dtype={ctx_dtype} ({dtype_why}) | "
@@ -338,10 +338,12 @@ def banner(env: DistEnv, cfg: TrainConfig, dtype_why: str, muon_why: str, compil
              f"compile={'on' if compiled else 'off'} ({compile_why}) | threads={torch.get_num_threads()} "
              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} "
              f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', 'unset')} | "
-             f"cuda_available={torch.cuda.is_available()} (ignored unless --device cuda)")
+             f"cuda_available={torch.cuda.is_available()} (ignored unless --device cuda) | "
+             f"malloc: {allocator}")
 
 
 def run(cfg: TrainConfig) -> None:
+    allocator = reuse_freed_memory()
     world_size = world_size_from_env()
     try:
         validate(cfg, world_size)
@@ -375,7 +377,7 @@ def run(cfg: TrainConfig) -> None:
         problems = [f"rank {r}@{env.hosts[r]}: {p}" for r, (ps, _) in enumerate(everyone) for p in ps]
         lacking_bf16 = [f"rank {r}@{env.hosts[r]}" for r, (_, native) in enumerate(everyone) if not native]
     ctx_dtype, dtype_why = resolve_dtype(cfg, lacking_bf16)
-    banner(env, cfg, dtype_why, muon_why, compile_why, ctx_dtype, muon_dtype, compiled)
+    banner(env, cfg, dtype_why, muon_why, compile_why, ctx_dtype, muon_dtype, compiled, allocator)
     if problems:
         fail(env, EXIT_CONFIG, "bad inputs, no rank starts: " + " | ".join(problems))
 
