@@ -204,7 +204,7 @@ def test_cuda_present_but_cpu_requested_uses_cpu_dtype_sdpa_gloo(native_ranks, d
 
 # The tolerance docs/TRAINER.md states for `--dtype auto` choosing bf16 on CPU: at every step the
 # loss is within 0.05 nats of the fp32 run's, and val bpb within 1%. Measured on the depth-4
-# acceptance run (200 steps): 0.025 at most, 0.005 on average, val bpb 2.4613 against 2.4641.
+# acceptance run (200 steps): 0.029 at most, 0.005 on average, val bpb 2.4612 against 2.4639.
 BF16_LOSS_TOLERANCE, BF16_BPB_TOLERANCE = 0.05, 0.01
 
 
