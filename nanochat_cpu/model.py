@@ -186,6 +186,14 @@ class GPT(nn.Module):
         self.resid_lambdas.fill_(1.0)
         self.x0_lambdas.fill_(0.1)
 
+    @staticmethod
+    def embed(table: nn.Embedding, idx: torch.Tensor) -> torch.Tensor:
+        """A table lookup whose gradient is sparse: the rows of the tokens seen, not a dense
+        (vocab x dim) tensor that is mostly zeros (the optimizer adds the rows into its own
+        gradient buffer). Compiled graphs keep the dense form, which the compiler supports."""
+        sparse = torch.is_grad_enabled() and not torch.compiler.is_compiling()
+        return F.embedding(idx, table.weight, sparse=sparse)
+
     def masks(self, T: int, device: torch.device) -> dict[int, torch.Tensor | None]:
         return {w: window_mask(T, w, device) for w in set(self.windows)}
 
@@ -194,10 +202,10 @@ class GPT(nn.Module):
         B, T = idx.shape
         cos, sin = self.cos[:, :T].to(self.wte.weight.dtype), self.sin[:, :T].to(self.wte.weight.dtype)
         masks = self.masks(T, idx.device)
-        x = x0 = norm(self.wte(idx))
+        x = x0 = norm(self.embed(self.wte, idx))
         for i, block in enumerate(self.blocks):
             x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
-            ve = self.value_embeds[str(i)](idx) if str(i) in self.value_embeds else None
+            ve = self.embed(self.value_embeds[str(i)], idx) if str(i) in self.value_embeds else None
             x = block(x, ve, cos, sin, masks[self.windows[i]])
         x = norm(x)
         head = self.lm_head.weight[: self.cfg.vocab_size]  # padded rows never score

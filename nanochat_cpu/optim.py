@@ -104,6 +104,9 @@ class Group:
     update_buf: torch.Tensor | None = None  # every rank's rounded update (--param-comm-dtype bfloat16)
     recv_buf: torch.Tensor | None = None  # every rank's gradient of the owned slice, before the sum
     ready: int = 0  # parameters whose last-micro-step gradient is complete
+    # sparse_rows groups: per parameter, the row ids its gradient received since the last
+    # zero_grad (None: a dense gradient arrived, every row may be dirty)
+    touched: list[list[torch.Tensor] | None] = field(default_factory=list)
     pending: list = field(default_factory=list)  # in-flight collectives of this step
 
 
@@ -140,6 +143,8 @@ class MuonAdamW:
             g.shard = -(-g.numel // world_size)  # ceil: slices of equal size, last one padded
             if world_size > 1:
                 self._make_buffers(g)
+            if g.sparse_rows:
+                self._track_rows(g)
         if self.arena is not None:
             dist.barrier()  # every rank points at the shared copy before anyone trains on it
 
@@ -172,11 +177,34 @@ class MuonAdamW:
             if not g.sparse_rows and self.arena is None:
                 p.register_post_accumulate_grad_hook(self._grad_ready_hook(g))
         if self.arena is not None:
+            if g.sparse_rows:  # summed out of place: the shared buffer keeps only this rank's rows
+                g.grad_slice = torch.zeros((g.shard, *unit), dtype=p0.dtype, device=p0.device)
             return  # the shared buffers are all a step needs (_step_shared)
         g.grad_slice = torch.zeros((g.shard, *unit), dtype=p0.dtype, device=p0.device)
         g.master = torch.zeros_like(g.grad_slice)
         if self.param_comm_dtype != p0.dtype:
             g.update_buf = torch.zeros(shape, dtype=self.param_comm_dtype, device=p0.device)
+
+    def _track_rows(self, g: Group) -> None:
+        """Embedding tables keep one dense gradient that the backward adds its rows into (the
+        model asks for sparse gradients), and zero_grad clears only the rows that got some:
+        nothing of the size of the table is zeroed, allocated or added up per step."""
+        if not g.grad_views:  # one rank: no shared buffer, a private gradient per table
+            g.grad_views = [torch.zeros_like(p) for p in g.params]
+            for p, grad in zip(g.params, g.grad_views, strict=True):
+                p.grad = grad
+        g.touched = [[] for _ in g.params]
+        for i, p in enumerate(g.params):
+            p.register_hook(self._row_hook(g, i))
+
+    @staticmethod
+    def _row_hook(g: Group, i: int):
+        def hook(grad: torch.Tensor) -> None:
+            if not grad.is_sparse:  # a compiled model's embedding backward is dense
+                g.touched[i] = None
+            elif g.touched[i] is not None:
+                g.touched[i].append(grad._indices()[0])
+        return hook
 
     def _grad_ready_hook(self, g: Group):
         def hook(_param: torch.Tensor) -> None:
@@ -192,6 +220,8 @@ class MuonAdamW:
         for p, grad in zip(g.params, g.grad_views, strict=True):
             if p.grad is None:
                 grad.zero_()
+            elif p.grad.is_sparse:  # .grad was None at backward time: the buffer holds stale rows
+                grad.zero_().add_(p.grad)
             elif p.grad.data_ptr() != grad.data_ptr():
                 grad.copy_(p.grad)
             p.grad = grad
@@ -303,6 +333,8 @@ class MuonAdamW:
         self.last_comm_wait = 0.0
         if self.world_size == 1:
             for g in self.groups:
+                if g.sparse_rows:
+                    self._grads_into_buffer(g)
                 if g.kind == "adamw":
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params]
                     self._adamw(g, [p.data for p in g.params], grads)
@@ -352,12 +384,16 @@ class MuonAdamW:
         self._barrier()  # every rank's gradients are complete
         for g in self.groups:
             lo = self.rank * g.shard
-            # Only this rank reads its own slice of its own gradients: sum the others' into it, in
-            # place (a third of the memory traffic of a separate sum, half the time of torch.sum)
-            grad = g.grad_all[self.rank, lo: lo + g.shard]
-            for r in range(self.world_size):
-                if r != self.rank:
-                    grad.add_(g.grad_all[r, lo: lo + g.shard])
+            mine = g.grad_all[self.rank, lo: lo + g.shard]
+            others = [g.grad_all[r, lo: lo + g.shard] for r in range(self.world_size) if r != self.rank]
+            if g.sparse_rows:  # the buffer must keep only this rank's rows (zero_grad clears those)
+                grad = torch.add(mine, others.pop(0), out=g.grad_slice)
+            else:
+                # Only this rank reads its own slice of its own gradients: sum the others' into it,
+                # in place (a third of the traffic of a separate sum, half the time of torch.sum)
+                grad = mine
+            for other in others:
+                grad.add_(other)
             owned = g.param_buf[lo: lo + g.shard]  # no other rank reads or writes it until the barrier
             if g.kind == "muon":
                 self._muon(g, owned, grad, self._owned_units(g))
@@ -368,6 +404,9 @@ class MuonAdamW:
     def zero_grad(self) -> None:
         for g in self.groups:
             g.ready = 0
+            if g.sparse_rows:
+                self._clear_rows(g)
+                continue
             # Shared memory: the backward writes fresh gradients and _step_shared copies them in,
             # 2 passes over the buffer instead of 4 (zero it, then add autograd's result into it)
             if g.grad_buf is None or self.arena is not None:
@@ -377,6 +416,17 @@ class MuonAdamW:
             g.grad_buf.zero_()
             for p, grad in zip(g.params, g.grad_views, strict=True):
                 p.grad = grad
+
+    @staticmethod
+    def _clear_rows(g: Group) -> None:
+        for i, (p, grad) in enumerate(zip(g.params, g.grad_views, strict=True)):
+            if g.touched[i] is None or p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != grad.data_ptr():
+                grad.zero_()  # a dense or replaced gradient: any row may be dirty
+            else:
+                for rows in g.touched[i]:
+                    grad.index_fill_(0, rows, 0)
+            p.grad = grad
+            g.touched[i] = []
 
     # ---- checkpointing: each rank saves and loads only its own shard -----------------------
 

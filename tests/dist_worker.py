@@ -4,6 +4,8 @@
 its contiguous share of the rows (SIZES like "4,2": rows per rank, weighted by tokens as the
 trainer does; default an even split); writes the final parameters to OUT (rank 0).
 LOCAL_COMM=shm shares the optimizer's buffers in /dev/shm (the ranks are on one host), default gloo.
+DENSE_EMBEDDING_GRADS=1 gives the embedding tables dense gradients (the plain nn.Embedding way),
+the reference for the optimizer's sparse rows.
 `diverge`: perturb one parameter on the last rank, then run the cross-rank checksum guard.
 """
 
@@ -15,6 +17,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from nanochat_cpu.config import TrainConfig
 from nanochat_cpu.dist import DistEnv, check_parameters_agree
@@ -50,6 +53,8 @@ def make_model() -> GPT:
 
 
 def step(out: str, split: str | None) -> None:
+    if os.environ.get("DENSE_EMBEDDING_GRADS") == "1":
+        GPT.embed = staticmethod(lambda table, idx: F.embedding(idx, table.weight))
     env = setup()
     torch.manual_seed(0)
     model = make_model()

@@ -45,6 +45,24 @@ def test_n_rank_step_equals_one_rank_step(world, local_comm, reference, tmp_path
     assert moved == len(reference) > 10
 
 
+@pytest.mark.parametrize(("world", "local_comm", "micro_rows"), [(1, "", ""), (1, "", "1"), (2, "shm", "1"),
+                                                              (2, "gloo", "")])
+def test_sparse_embedding_rows_equal_dense_gradients(world, local_comm, micro_rows, reference, tmp_path):
+    """The tables' gradients arrive as rows and only those rows are cleared after a step: any
+    row left over from the previous step or micro-step would move the result off the dense one."""
+    out = tmp_path / "params.pt"
+    env = {"DENSE_EMBEDDING_GRADS": "1", "LOCAL_COMM": local_comm, "MICRO_ROWS": micro_rows}
+    if world == 1:
+        proc = subprocess.run([sys.executable, WORKER, "step", str(out)], env={**node_env(), **env},
+                              capture_output=True, text=True, timeout=120, cwd=REPO)
+    else:
+        proc = run_torchrun(world, [WORKER, "step", str(out)], env_extra=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    got = torch.load(out)
+    for name, ref in reference.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=2e-5, msg=f"{name} differs from dense")
+
+
 @pytest.mark.parametrize(("split", "local_comm"), [("4,2", "gloo"), ("1,2,3", "gloo"), ("1,2,3", "shm")])
 def test_uneven_token_weighted_split_equals_even_split(split, local_comm, reference, tmp_path):
     """A fast host taking more rows per step must not change what is optimised (issue 6)."""
