@@ -7,7 +7,7 @@ run actually uses, so the peak is measured (a few hundred ms of large matmuls), 
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
+import functools
 import os
 import resource
 import time
@@ -15,6 +15,7 @@ import time
 import torch
 
 
+@functools.cache  # read once per process: the trainer, its dtype choices and the doctor all ask
 def cpu_flags() -> set[str]:
     try:
         with open("/proc/cpuinfo") as f:
@@ -45,10 +46,8 @@ def reuse_freed_memory() -> str:
     trimming raised, the same blocks are reused from step to step (peak RSS +60 MB at depth 4).
     Returns what was done, for the banner.
     """
-    name = ctypes.util.find_library("c")
-    try:
-        libc = ctypes.CDLL(name or "libc.so.6")
-        mallopt = libc.mallopt
+    try:  # the interpreter's own symbols include its C library's (no library search, no subprocess)
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return "default allocator (no glibc mallopt)"
     if not (mallopt(_M_MMAP_MAX, 0) and mallopt(_M_TRIM_THRESHOLD, 2**31 - 1)):
