@@ -28,7 +28,11 @@ Where the bytes go (the wire is the bottleneck between a workstation and a lapto
 
 With every rank on one host (`shm.SharedArena`), the parameters and every rank's gradients live in
 shared memory instead: each rank sums its slice from the others' gradient buffers and updates its
-slice of the one parameter copy in place; two barriers per step replace the collectives.
+slice of the one parameter copy in place; two barriers per step replace the collectives. What
+crosses between processes is kept to what the owner needs:
+- dense groups: a rank copies into its shared buffer only the parts other ranks own; its own part
+  is read where autograd wrote it;
+- embedding tables: ranks flag the rows they touched, and the owner adds up only those rows.
 
 Collectives are completed with `Work.wait()`, never `Work.get_future()`, which Gloo does not
 implement for reduce-scatter.
@@ -99,6 +103,7 @@ class Group:
     grad_buf: torch.Tensor | None = None
     grad_all: torch.Tensor | None = None  # shared memory: every rank's grad_buf, (world, ...)
     grad_views: list[torch.Tensor] = field(default_factory=list)  # each parameter's .grad, in grad_buf
+    offsets: list[int] = field(default_factory=list)  # each parameter's first element in the buffers
     grad_slice: torch.Tensor | None = None  # the summed gradient of the owned units
     master: torch.Tensor | None = None  # the owned units' values, updated, then all-gathered
     update_buf: torch.Tensor | None = None  # every rank's rounded update (--param-comm-dtype bfloat16)
@@ -107,6 +112,10 @@ class Group:
     # sparse_rows groups: per parameter, the row ids its gradient received since the last
     # zero_grad (None: a dense gradient arrived, every row may be dirty)
     touched: list[list[torch.Tensor] | None] = field(default_factory=list)
+    # shared memory, sparse_rows groups: which rows each rank's gradient has, (world, rows) flags,
+    # and the rows of grad_slice the last step wrote (None: all of them)
+    row_marks: torch.Tensor | None = None
+    slice_rows: torch.Tensor | None = None
     pending: list = field(default_factory=list)  # in-flight collectives of this step
 
 
@@ -171,16 +180,18 @@ class MuonAdamW:
             if self.arena is None or self.rank == 0:  # shared: one copy (the ranks' weights are equal)
                 data.copy_(p.data)
             p.data = data  # the module now reads and trains the buffer itself
-            p.grad = grad
+            if self.arena is None or g.sparse_rows:  # shared dense groups publish fresh gradients instead
+                p.grad = grad
             g.grad_views.append(grad)
+            g.offsets.append(offset)
             offset += n
             if not g.sparse_rows and self.arena is None:
                 p.register_post_accumulate_grad_hook(self._grad_ready_hook(g))
-        if self.arena is not None:
-            if g.sparse_rows:  # summed out of place: the shared buffer keeps only this rank's rows
-                g.grad_slice = torch.zeros((g.shard, *unit), dtype=p0.dtype, device=p0.device)
-            return  # the shared buffers are all a step needs (_step_shared)
         g.grad_slice = torch.zeros((g.shard, *unit), dtype=p0.dtype, device=p0.device)
+        if self.arena is not None:
+            if g.sparse_rows:
+                g.row_marks = self.arena.tensor(f"{g.name}.rows", (self.world_size, shape[0]), torch.bool)
+            return  # the shared buffers and grad_slice are all a step needs (_step_shared)
         g.master = torch.zeros_like(g.grad_slice)
         if self.param_comm_dtype != p0.dtype:
             g.update_buf = torch.zeros(shape, dtype=self.param_comm_dtype, device=p0.device)
@@ -206,6 +217,17 @@ class MuonAdamW:
                 g.touched[i].append(grad._indices()[0])
         return hook
 
+    @staticmethod
+    def _dirty_rows(g: Group) -> torch.Tensor | None:
+        """The rows (of the group's stacked tables) whose gradient may be non-zero; None: any."""
+        ids, offset = [], 0
+        for p, rows in zip(g.params, g.touched, strict=True):
+            if rows is None:
+                return None
+            ids += [r + offset for r in rows]
+            offset += p.shape[0]
+        return torch.cat(ids).unique() if ids else torch.zeros(0, dtype=torch.int64)
+
     def _grad_ready_hook(self, g: Group):
         def hook(_param: torch.Tensor) -> None:
             if not self.sync_in_backward or g.pending:
@@ -217,13 +239,15 @@ class MuonAdamW:
 
     def _grads_into_buffer(self, g: Group) -> None:
         """Make every .grad the buffer's view again (a trainer may have set grads to None)."""
-        for p, grad in zip(g.params, g.grad_views, strict=True):
+        for i, (p, grad) in enumerate(zip(g.params, g.grad_views, strict=True)):
             if p.grad is None:
                 grad.zero_()
             elif p.grad.is_sparse:  # .grad was None at backward time: the buffer holds stale rows
                 grad.zero_().add_(p.grad)
             elif p.grad.data_ptr() != grad.data_ptr():
                 grad.copy_(p.grad)
+                if g.sparse_rows:  # a dense gradient: any row may be non-zero
+                    g.touched[i] = None
             p.grad = grad
 
     # ---- communication -----------------------------------------------------------------------
@@ -245,7 +269,9 @@ class MuonAdamW:
     def _start_sparse_reduce(self, g: Group) -> None:
         """All-gather (row id, gradient row) for the rows this rank touched; padded to the
         largest count, which costs one tiny synchronous exchange first."""
-        ids = g.grad_buf.any(dim=1).nonzero().squeeze(1)
+        ids = self._dirty_rows(g)
+        if ids is None:
+            ids = g.grad_buf.any(dim=1).nonzero().squeeze(1)
         count = torch.tensor([ids.numel()], dtype=torch.int64, device=ids.device)
         counts = torch.empty(self.world_size, dtype=torch.int64, device=ids.device)
         t0 = time.perf_counter()
@@ -378,22 +404,22 @@ class MuonAdamW:
         self.last_comm_wait += time.perf_counter() - t0
 
     def _step_shared(self) -> None:
-        """The N-rank step on one host: gradients and parameters are already shared memory."""
+        """The N-rank step on one host: parameters live in shared memory, and each rank's
+        shared gradient buffer holds what the other ranks need of its gradients."""
         for g in self.groups:
-            self._grads_into_buffer(g)
+            if g.sparse_rows:  # the backward added the rows in already: tell the owners which
+                self._grads_into_buffer(g)
+                ids, marks = self._dirty_rows(g), g.row_marks[self.rank]
+                if ids is None:
+                    marks.fill_(True)
+                else:
+                    marks.index_fill_(0, ids, True)
+            else:
+                self._publish_dense(g)
         self._barrier()  # every rank's gradients are complete
         for g in self.groups:
             lo = self.rank * g.shard
-            mine = g.grad_all[self.rank, lo: lo + g.shard]
-            others = [g.grad_all[r, lo: lo + g.shard] for r in range(self.world_size) if r != self.rank]
-            if g.sparse_rows:  # the buffer must keep only this rank's rows (zero_grad clears those)
-                grad = torch.add(mine, others.pop(0), out=g.grad_slice)
-            else:
-                # Only this rank reads its own slice of its own gradients: sum the others' into it,
-                # in place (a third of the traffic of a separate sum, half the time of torch.sum)
-                grad = mine
-            for other in others:
-                grad.add_(other)
+            grad = self._sum_shared_rows(g, lo) if g.sparse_rows else self._sum_shared_dense(g)
             owned = g.param_buf[lo: lo + g.shard]  # no other rank reads or writes it until the barrier
             if g.kind == "muon":
                 self._muon(g, owned, grad, self._owned_units(g))
@@ -401,11 +427,71 @@ class MuonAdamW:
                 self._adamw(g, [owned], [grad])
         self._barrier()  # every slice updated and every gradient read: the next step may start
 
+    def _owned_elements(self, g: Group) -> tuple[int, int]:
+        per_unit = g.grad_slice[0].numel()
+        return self.rank * g.shard * per_unit, (self.rank + 1) * g.shard * per_unit
+
+    def _publish_dense(self, g: Group) -> None:
+        """Copy the parts of this rank's fresh gradients that other ranks own into its shared
+        buffer. The owned part stays where autograd wrote it: one copy less of 1/world of it."""
+        lo, hi = self._owned_elements(g)
+        shared = g.grad_buf.view(-1)
+        for p, start in zip(g.params, g.offsets, strict=True):
+            end = start + p.numel()
+            for a, b in ((start, min(end, lo)), (max(start, hi), end)):  # before and after the owned part
+                if a < b:
+                    if p.grad is None:
+                        shared[a:b].zero_()
+                    else:
+                        shared[a:b].copy_(p.grad.reshape(-1)[a - start: b - start])
+
+    def _sum_shared_dense(self, g: Group) -> torch.Tensor:
+        """The owned slice's summed gradient: this rank's own part from its private .grad, the
+        others' from their shared buffers (padding past the last parameter stays zero)."""
+        lo, hi = self._owned_elements(g)
+        out = g.grad_slice.view(-1)
+        others = [g.grad_all[r].view(-1)[lo:hi] for r in range(self.world_size) if r != self.rank]
+        for p, start in zip(g.params, g.offsets, strict=True):
+            a, b = max(start, lo), min(start + p.numel(), hi)
+            if a >= b:
+                continue
+            first_other = others[0][a - lo: b - lo]
+            if p.grad is None:
+                out[a - lo: b - lo].copy_(first_other)
+            else:
+                torch.add(p.grad.reshape(-1)[a - start: b - start], first_other, out=out[a - lo: b - lo])
+        for other in others[1:]:
+            out.add_(other)
+        return g.grad_slice
+
+    def _sum_shared_rows(self, g: Group, lo: int) -> torch.Tensor:
+        """The owned slice of a table's summed gradient, from only the rows some rank touched
+        (a few hundred of the table's tens of thousands); the other rows of grad_slice stay zero.
+        Out of place: each rank's shared buffer must keep only its own rows (zero_grad clears them)."""
+        ids = g.row_marks[:, lo: lo + g.shard].any(dim=0).nonzero().squeeze(1)
+        grad, rows = g.grad_slice, g.grad_all[:, lo: lo + g.shard]
+        if ids.numel() > g.shard // 4:  # most rows (a dense gradient somewhere): add up whole slices
+            torch.sum(rows, dim=0, out=grad)
+            g.slice_rows = None
+            return grad
+        if g.slice_rows is None:
+            grad.zero_()
+        else:
+            grad.index_fill_(0, g.slice_rows, 0)  # the rows the last step wrote
+        summed = rows[0].index_select(0, ids)
+        for r in range(1, self.world_size):
+            summed.add_(rows[r].index_select(0, ids))
+        grad.index_copy_(0, ids, summed)
+        g.slice_rows = ids
+        return grad
+
     def zero_grad(self) -> None:
         for g in self.groups:
             g.ready = 0
             if g.sparse_rows:
                 self._clear_rows(g)
+                if g.row_marks is not None:  # every owner has read them (the step's last barrier)
+                    g.row_marks[self.rank].zero_()
                 continue
             # Shared memory: the backward writes fresh gradients and _step_shared copies them in,
             # 2 passes over the buffer instead of 4 (zero it, then add autograd's result into it)

@@ -25,7 +25,7 @@ from nanochat_cpu.model import GPT, model_config_from
 from nanochat_cpu.optim import build_optimizer
 from nanochat_cpu.shm import make_arena
 
-GLOBAL_ROWS, SEQ, VOCAB = 6, 32, 300
+GLOBAL_ROWS, SEQ, VOCAB = 6, 32, 2048
 
 
 def setup() -> DistEnv:
