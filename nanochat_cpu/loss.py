@@ -7,11 +7,11 @@ over the whole (tokens x vocab) logits: at 1,024 tokens and a 32,768 vocabulary 
 
 `softcapped_cross_entropy` does the same arithmetic with one logits buffer. The loss is the last
 operation of the graph, so its gradient is known in the forward: after the one logits GEMM the
-buffer is walked in cache-sized row chunks that turn it, in place, into dLoss/dlogits; the
-forward then also runs the two GEMMs of the head's backward, and the real backward only scales
-their results by the incoming gradient. Same GEMMs as autograd, no second big buffer, and the
-elementwise work runs on chunks that sit in cache. torch.compile fuses the plain form itself, so
-compiled models keep it.
+buffer is walked in cache-sized row chunks that turn it, in place, into dLoss/dlogits, and the
+backward runs the head's two GEMMs on it with the incoming gradient folded into their small
+(tokens x width) operands, so no pass over a (vocab x width) result scales it. Same GEMMs as
+autograd, no second big buffer, and the elementwise work runs on chunks that sit in cache.
+torch.compile fuses the plain form itself, so compiled models keep it.
 """
 
 from __future__ import annotations
@@ -67,17 +67,19 @@ class _SoftcappedCrossEntropy(torch.autograd.Function):
         z = x @ weight.t()  # (N, V); becomes dLoss/dz chunk by chunk (scaled by 1/valid below)
         losses = _losses_by_chunk(z, targets, cap, grad=True)
         valid = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        grad_x = z @ weight.to(z.dtype)
-        grad_w = z.t() @ x.to(z.dtype)
-        ctx.save_for_backward(grad_x, grad_w, valid)
-        ctx.dtypes = (x.dtype, weight.dtype)
+        ctx.save_for_backward(z, x, weight, valid)
         return losses.sum() / valid
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        grad_x, grad_w, valid = ctx.saved_tensors
+        z, x, weight, valid = ctx.saved_tensors
         scale = grad_loss / valid
-        return (grad_x * scale).to(ctx.dtypes[0]), (grad_w * scale).to(ctx.dtypes[1]), None, None
+        grad_x = (z @ weight.to(z.dtype)).to(x.dtype).mul_(scale)  # (N, d): small, scaled after
+        if z.dtype == weight.dtype:  # (V, d): the scale rides on the small operand, before the GEMM
+            grad_w = z.t() @ (x.to(z.dtype) * scale)
+        else:  # bf16 logits: a scaled bf16 x would be rounded once more
+            grad_w = (z.t() @ x.to(z.dtype)).to(weight.dtype).mul_(scale)
+        return grad_x, grad_w, None, None
 
 
 def softcapped_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float,
