@@ -5,7 +5,8 @@ its contiguous share of the rows (SIZES like "4,2": rows per rank, weighted by t
 trainer does; default an even split); writes the final parameters to OUT (rank 0).
 LOCAL_COMM=shm shares the optimizer's buffers in /dev/shm (the ranks are on one host), default gloo.
 DENSE_EMBEDDING_GRADS=1 gives the embedding tables dense gradients (the plain nn.Embedding way),
-the reference for the optimizer's sparse rows.
+the reference for the optimizer's sparse rows. NO_GRAD=name,name drops those parameters' .grad
+before the second step (which must not reuse what the first step's left behind).
 `diverge`: perturb one parameter on the last rank, then run the cross-rank checksum guard.
 """
 
@@ -69,7 +70,7 @@ def step(out: str, split: str | None) -> None:
     for g in opt.groups:
         g.eps = 1e-6
     gen = torch.Generator().manual_seed(3)
-    for _ in range(2):
+    for step_index in range(2):
         tokens = torch.randint(0, VOCAB, (GLOBAL_ROWS, SEQ + 1), generator=gen)
         sizes = [int(x) for x in split.split(",")] if split else [GLOBAL_ROWS // env.world_size] * env.world_size
         assert sum(sizes) == GLOBAL_ROWS and len(sizes) == env.world_size
@@ -87,6 +88,9 @@ def step(out: str, split: str | None) -> None:
         else:
             loss = model(mine[:, :-1], mine[:, 1:])
             (loss * sizes[env.rank] / GLOBAL_ROWS).backward()
+        for name, p in model.named_parameters():
+            if step_index == 1 and name in os.environ.get("NO_GRAD", "").split(","):
+                p.grad = None
         opt.step()
         opt.zero_grad()
     if env.world_size > 1:  # bit-identical weights on every rank, or the guard stops the run

@@ -63,6 +63,23 @@ def test_sparse_embedding_rows_equal_dense_gradients(world, local_comm, micro_ro
         torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=2e-5, msg=f"{name} differs from dense")
 
 
+@pytest.mark.parametrize("local_comm", ["gloo", "shm"])
+def test_parameters_without_gradient_equal_one_rank(local_comm, tmp_path):
+    """A parameter whose .grad is None at a step counts as a zero gradient on every path, not as
+    what the last step left in a buffer: the LM head (its owned part and the published one) and
+    one matrix of a Muon stack."""
+    env = {"NO_GRAD": "lm_head.weight,blocks.1.attn.c_q.weight", "LOCAL_COMM": local_comm}
+    ref, out = tmp_path / "ref.pt", tmp_path / "params.pt"
+    proc = subprocess.run([sys.executable, WORKER, "step", str(ref)], env={**node_env(), **env},
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    proc = run_torchrun(2, [WORKER, "step", str(out)], env_extra=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    want, got = torch.load(ref), torch.load(out)
+    for name, ref_value in want.items():
+        torch.testing.assert_close(got[name], ref_value, rtol=1e-4, atol=2e-5, msg=f"{name} differs")
+
+
 @pytest.mark.parametrize(("split", "local_comm"), [("4,2", "gloo"), ("1,2,3", "gloo"), ("1,2,3", "shm")])
 def test_uneven_token_weighted_split_equals_even_split(split, local_comm, reference, tmp_path):
     """A fast host taking more rows per step must not change what is optimised (issue 6)."""
