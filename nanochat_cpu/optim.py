@@ -428,6 +428,7 @@ class MuonAdamW:
         self._barrier()  # every slice updated and every gradient read: the next step may start
 
     def _owned_elements(self, g: Group) -> tuple[int, int]:
+        """[lo, hi) of this rank's slice in the group's flat buffers, in elements."""
         per_unit = g.grad_slice[0].numel()
         return self.rank * g.shard * per_unit, (self.rank + 1) * g.shard * per_unit
 
@@ -470,7 +471,7 @@ class MuonAdamW:
         Out of place: each rank's shared buffer must keep only its own rows (zero_grad clears them)."""
         ids = g.row_marks[:, lo: lo + g.shard].any(dim=0).nonzero().squeeze(1)
         grad, rows = g.grad_slice, g.grad_all[:, lo: lo + g.shard]
-        if ids.numel() > g.shard // 4:  # most rows (a dense gradient somewhere): add up whole slices
+        if ids.numel() > g.shard // 4:  # many rows (a dense gradient flags all): whole slices are cheaper
             torch.sum(rows, dim=0, out=grad)
             g.slice_rows = None
             return grad
@@ -493,8 +494,9 @@ class MuonAdamW:
                 if g.row_marks is not None:  # every owner has read them (the step's last barrier)
                     g.row_marks[self.rank].zero_()
                 continue
-            # Shared memory: the backward writes fresh gradients and _step_shared copies them in,
-            # 2 passes over the buffer instead of 4 (zero it, then add autograd's result into it)
+            # Shared memory: the backward writes fresh private gradients, and _step_shared copies
+            # only the parts other ranks own into the shared buffer (zeroing it and letting
+            # autograd add into it would be 4 passes over all of it)
             if g.grad_buf is None or self.arena is not None:
                 for p in g.params:
                     p.grad = None
