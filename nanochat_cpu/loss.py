@@ -8,9 +8,10 @@ over the whole (tokens x vocab) logits: at 1,024 tokens and a 32,768 vocabulary 
 `softcapped_cross_entropy` does the same arithmetic with one logits buffer. The loss is the last
 operation of the graph, so its gradient is known in the forward: after the one logits GEMM the
 buffer is walked in cache-sized row chunks that turn it, in place, into dLoss/dlogits, and the
-backward runs the head's two GEMMs on it with the incoming gradient folded into their small
-(tokens x width) operands, so no pass over a (vocab x width) result scales it. Same GEMMs as
-autograd, no second big buffer, and the elementwise work runs on chunks that sit in cache.
+backward runs the head's two GEMMs on it. In fp32 the incoming gradient scales the small
+(tokens x width) operand of the weight's GEMM, so no pass over the (vocab x width) result is
+needed for it. Same GEMMs as autograd, no second big buffer, and the elementwise work runs on
+chunks that sit in cache.
 torch.compile fuses the plain form itself, so compiled models keep it.
 """
 
@@ -75,9 +76,9 @@ class _SoftcappedCrossEntropy(torch.autograd.Function):
         z, x, weight, valid = ctx.saved_tensors
         scale = grad_loss / valid
         grad_x = (z @ weight.to(z.dtype)).to(x.dtype).mul_(scale)  # (N, d): small, scaled after
-        if z.dtype == weight.dtype:  # (V, d): the scale rides on the small operand, before the GEMM
-            grad_w = z.t() @ (x.to(z.dtype) * scale)
-        else:  # bf16 logits: a scaled bf16 x would be rounded once more
+        if z.dtype == torch.float32:  # (V, d): the scale rides on the small operand, before the GEMM
+            grad_w = z.t() @ (x * scale)
+        else:  # bf16 logits: a scaled bf16 x would be rounded once more; scale in fp32 after
             grad_w = (z.t() @ x.to(z.dtype)).to(weight.dtype).mul_(scale)
         return grad_x, grad_w, None, None
 

@@ -99,10 +99,12 @@ class Group:
     shard: int = 0
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     # N ranks: persistent buffers of shape (shard x world, *unit); parameters and grads are views
+    # (except in shared memory, where a dense group's .grad is autograd's private tensor and this
+    # rank's grad_buf holds only the parts other ranks own: its own slice there is never read)
     param_buf: torch.Tensor | None = None
     grad_buf: torch.Tensor | None = None
     grad_all: torch.Tensor | None = None  # shared memory: every rank's grad_buf, (world, ...)
-    grad_views: list[torch.Tensor] = field(default_factory=list)  # each parameter's .grad, in grad_buf
+    grad_views: list[torch.Tensor] = field(default_factory=list)  # each parameter's place in grad_buf
     offsets: list[int] = field(default_factory=list)  # each parameter's first element in the buffers
     grad_slice: torch.Tensor | None = None  # the summed gradient of the owned units
     master: torch.Tensor | None = None  # the owned units' values, updated, then all-gathered
@@ -226,7 +228,7 @@ class MuonAdamW:
                 return None
             ids += [r + offset for r in rows]
             offset += p.shape[0]
-        return torch.cat(ids).unique() if ids else torch.zeros(0, dtype=torch.int64)
+        return torch.cat(ids).unique() if ids else torch.zeros(0, dtype=torch.int64, device=g.params[0].device)
 
     def _grad_ready_hook(self, g: Group):
         def hook(_param: torch.Tensor) -> None:
@@ -238,7 +240,8 @@ class MuonAdamW:
         return hook
 
     def _grads_into_buffer(self, g: Group) -> None:
-        """Make every .grad the buffer's view again (a trainer may have set grads to None)."""
+        """Make every .grad the buffer's view again (a trainer may have set grads to None).
+        Not for shared-memory dense groups, whose gradients stay private (_publish_dense)."""
         for i, (p, grad) in enumerate(zip(g.params, g.grad_views, strict=True)):
             if p.grad is None:
                 grad.zero_()
@@ -487,6 +490,8 @@ class MuonAdamW:
         return grad
 
     def zero_grad(self) -> None:
+        """Call after every step (model.zero_grad() is not enough): it clears the tables' touched
+        rows and this rank's row flags, which would otherwise pile up step after step."""
         for g in self.groups:
             g.ready = 0
             if g.sparse_rows:

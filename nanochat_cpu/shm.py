@@ -97,6 +97,7 @@ class SharedArena:
 
 
 def buffer_bytes(model: torch.nn.Module, world_size: int) -> int:
-    """/dev/shm needed: one copy of the parameters plus every rank's gradients (padding aside)."""
+    """/dev/shm needed: one copy of the parameters plus every rank's gradients (padding and the
+    tables' row flags, world x rows bytes, aside: plan() keeps a 64 MiB margin)."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return params * (1 + world_size)

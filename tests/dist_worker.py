@@ -6,7 +6,8 @@ trainer does; default an even split); writes the final parameters to OUT (rank 0
 LOCAL_COMM=shm shares the optimizer's buffers in /dev/shm (the ranks are on one host), default gloo.
 DENSE_EMBEDDING_GRADS=1 gives the embedding tables dense gradients (the plain nn.Embedding way),
 the reference for the optimizer's sparse rows. NO_GRAD=name,name drops those parameters' .grad
-before the second step (which must not reuse what the first step's left behind).
+before the second step (which must not reuse what the first step's left behind); with
+NO_GRAD_AS=zeros they get explicit zero gradients instead, the reference.
 `diverge`: perturb one parameter on the last rank, then run the cross-rank checksum guard.
 """
 
@@ -26,7 +27,7 @@ from nanochat_cpu.model import GPT, model_config_from
 from nanochat_cpu.optim import build_optimizer
 from nanochat_cpu.shm import make_arena
 
-GLOBAL_ROWS, SEQ, VOCAB = 6, 32, 2048
+GLOBAL_ROWS, SEQ, VOCAB = 6, 32, 2000  # padded to 2,048 rows: some never get a gradient
 
 
 def setup() -> DistEnv:
@@ -90,7 +91,7 @@ def step(out: str, split: str | None) -> None:
             (loss * sizes[env.rank] / GLOBAL_ROWS).backward()
         for name, p in model.named_parameters():
             if step_index == 1 and name in os.environ.get("NO_GRAD", "").split(","):
-                p.grad = None
+                p.grad = torch.zeros_like(p) if os.environ.get("NO_GRAD_AS") == "zeros" else None
         opt.step()
         opt.zero_grad()
     if env.world_size > 1:  # bit-identical weights on every rank, or the guard stops the run

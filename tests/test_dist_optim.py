@@ -63,17 +63,19 @@ def test_sparse_embedding_rows_equal_dense_gradients(world, local_comm, micro_ro
         torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=2e-5, msg=f"{name} differs from dense")
 
 
-@pytest.mark.parametrize("local_comm", ["gloo", "shm"])
-def test_parameters_without_gradient_equal_one_rank(local_comm, tmp_path):
-    """A parameter whose .grad is None at a step counts as a zero gradient on every path, not as
-    what the last step left in a buffer: the LM head (its owned part and the published one) and
-    one matrix of a Muon stack."""
-    env = {"NO_GRAD": "lm_head.weight,blocks.1.attn.c_q.weight", "LOCAL_COMM": local_comm}
+@pytest.mark.parametrize(("world", "local_comm"), [(2, "gloo"), (2, "shm"), (3, "shm")])
+def test_parameters_without_gradient_count_as_zero(world, local_comm, tmp_path):
+    """A parameter whose .grad is None at a step counts as a zero gradient (the reference: one
+    rank given explicit zeros), not as what a buffer still holds from this step's backward or the
+    last step: the LM head (its owned part and the published ones), one matrix of a Muon stack and
+    the token embedding table."""
+    env = {"NO_GRAD": "lm_head.weight,blocks.1.attn.c_q.weight,wte.weight", "LOCAL_COMM": local_comm}
     ref, out = tmp_path / "ref.pt", tmp_path / "params.pt"
-    proc = subprocess.run([sys.executable, WORKER, "step", str(ref)], env={**node_env(), **env},
+    proc = subprocess.run([sys.executable, WORKER, "step", str(ref)],
+                          env={**node_env(), **env, "NO_GRAD_AS": "zeros"},
                           capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    proc = run_torchrun(2, [WORKER, "step", str(out)], env_extra=env)
+    proc = run_torchrun(world, [WORKER, "step", str(out)], env_extra=env)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     want, got = torch.load(ref), torch.load(out)
     for name, ref_value in want.items():
