@@ -11,8 +11,7 @@ buffer is walked in cache-sized row chunks that turn it, in place, into dLoss/dl
 backward runs the head's two GEMMs on it. In fp32 the incoming gradient scales the small
 (tokens x width) operand of the weight's GEMM, so no pass over the (vocab x width) result is
 needed for it. Same GEMMs as autograd, no second big buffer, and the elementwise work runs on
-chunks that sit in cache.
-torch.compile fuses the plain form itself, so compiled models keep it.
+chunks that sit in cache. torch.compile fuses the plain form itself, so compiled models keep it.
 """
 
 from __future__ import annotations

@@ -512,9 +512,12 @@ class MuonAdamW:
 
     @staticmethod
     def _clear_rows(g: Group) -> None:
+        """Zero the rows the buffer got since the last zero_grad. `touched` lists them even across
+        a trainer's .grad = None (the buffer keeps the rows, the list keeps their ids); it is None
+        once a dense gradient reached the buffer (_row_hook, _grads_into_buffer)."""
         for i, (p, grad) in enumerate(zip(g.params, g.grad_views, strict=True)):
-            if g.touched[i] is None or p.grad is None or p.grad.is_sparse or p.grad.data_ptr() != grad.data_ptr():
-                grad.zero_()  # a dense or replaced gradient: any row may be dirty
+            if g.touched[i] is None:
+                grad.zero_()
             else:
                 for rows in g.touched[i]:
                     grad.index_fill_(0, rows, 0)
