@@ -63,8 +63,9 @@ def _losses_by_chunk(z: torch.Tensor, targets: torch.Tensor, cap: float, grad: b
 
 class _SoftcappedCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float) -> torch.Tensor:
-        z = x @ weight.t()  # (N, V); becomes dLoss/dz chunk by chunk (scaled by 1/valid below)
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float,
+                vocab: int) -> torch.Tensor:
+        z = x @ weight[:vocab].t()  # (N, vocab); becomes dLoss/dz chunk by chunk (scaled by 1/valid below)
         losses = _losses_by_chunk(z, targets, cap, grad=True)
         valid = (targets != IGNORE_INDEX).sum().clamp(min=1)
         ctx.save_for_backward(z, x, weight, valid)
@@ -73,28 +74,35 @@ class _SoftcappedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
         z, x, weight, valid = ctx.saved_tensors
+        vocab = z.size(1)
         scale = grad_loss / valid
-        grad_x = (z @ weight.to(z.dtype)).to(x.dtype).mul_(scale)  # (N, d): small, scaled after
-        if z.dtype == torch.float32:  # (V, d): the scale rides on the small operand, before the GEMM
-            grad_w = z.t() @ (x * scale)
+        grad_x = (z @ weight[:vocab].to(z.dtype)).to(x.dtype).mul_(scale)  # (N, d): small, scaled after
+        # the whole (padded) weight's gradient, written in place: slicing the weight before the
+        # call instead would make autograd zero a second full-size buffer and copy this one into it
+        grad_w = torch.empty_like(weight)
+        grad_w[vocab:].zero_()  # padding rows never score
+        if z.dtype == torch.float32:  # (vocab, d): the scale rides on the small operand, before the GEMM
+            torch.mm(z.t(), x * scale, out=grad_w[:vocab])
         else:  # bf16 logits: a scaled bf16 x would be rounded once more; scale in fp32 after
-            grad_w = (z.t() @ x.to(z.dtype)).to(weight.dtype).mul_(scale)
-        return grad_x, grad_w, None, None
+            grad_w[:vocab].copy_(z.t() @ x.to(z.dtype)).mul_(scale)
+        return grad_x, grad_w, None, None, None
 
 
 def softcapped_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float,
-                             reduction: str = "mean") -> torch.Tensor:
-    """Cross-entropy of `cap * tanh(x @ weight.T / cap)` against `targets` (-1 = ignored).
+                             reduction: str = "mean", vocab: int | None = None) -> torch.Tensor:
+    """Cross-entropy of `cap * tanh(x @ weight[:vocab].T / cap)` against `targets` (-1 = ignored).
 
-    x: (N, d) final hidden states; weight: (V, d), the LM head's real-vocabulary rows; targets:
-    (N,). reduction "mean" (over non-ignored positions, differentiable) or "none" (per position,
-    for evaluation without gradients).
+    x: (N, d) final hidden states; weight: (V, d), the LM head, of which the first `vocab` rows
+    (default: all) are the real vocabulary and the rest padding that never scores and gets a zero
+    gradient; targets: (N,). reduction "mean" (over non-ignored positions, differentiable) or
+    "none" (per position, for evaluation without gradients).
     """
+    vocab = weight.size(0) if vocab is None else vocab
     if torch.compiler.is_compiling():  # the compiler fuses the plain form into a few kernels itself
-        logits = cap * torch.tanh((x @ weight.t()).float() / cap)
+        logits = cap * torch.tanh((x @ weight[:vocab].t()).float() / cap)
         return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
     if reduction == "mean":
-        return _SoftcappedCrossEntropy.apply(x, weight, targets, cap)
+        return _SoftcappedCrossEntropy.apply(x, weight, targets, cap, vocab)
     if reduction != "none" or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)):
         raise ValueError(f"reduction={reduction!r}: 'mean', or 'none' without gradients")
-    return _losses_by_chunk(x @ weight.t(), targets, cap, grad=False)
+    return _losses_by_chunk(x @ weight[:vocab].t(), targets, cap, grad=False)

@@ -208,11 +208,11 @@ class GPT(nn.Module):
             ve = self.embed(self.value_embeds[str(i)], idx) if str(i) in self.value_embeds else None
             x = block(x, ve, cos, sin, masks[self.windows[i]])
         x = norm(x)
-        head = self.lm_head.weight[: self.cfg.vocab_size]  # padded rows never score
         if targets is None:
+            head = self.lm_head.weight[: self.cfg.vocab_size]  # padded rows never score
             return LOGIT_SOFTCAP * torch.tanh((x @ head.t()).float() / LOGIT_SOFTCAP)
-        return softcapped_cross_entropy(x.reshape(-1, x.size(-1)), head, targets.reshape(-1), LOGIT_SOFTCAP,
-                                        reduction)
+        return softcapped_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
+                                        LOGIT_SOFTCAP, reduction, vocab=self.cfg.vocab_size)
 
     @torch.no_grad()
     def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0) -> list[int]:

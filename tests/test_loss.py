@@ -62,3 +62,20 @@ def test_per_position_losses_with_gradients_are_refused():
     x, w, y = inputs(n=8)
     with pytest.raises(ValueError, match="reduction='none'"):
         softcapped_cross_entropy(x, w, y, CAP, reduction="none")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_padded_head_rows_never_score_and_get_zero_gradient(dtype):
+    x, w, y = inputs(v=300)
+    padded = torch.cat([w.detach(), torch.randn(20, w.size(1))]).requires_grad_()  # 20 padding rows
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        want = plain(x, w, y)
+        got = softcapped_cross_entropy(x, padded, y, CAP, vocab=300)
+    want_gw, = torch.autograd.grad(want, (w,))
+    junk = torch.full_like(padded, float("nan"))  # freed just before: the gradient's likely memory
+    del junk
+    got_gw, = torch.autograd.grad(got, (padded,))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    assert got_gw.shape == padded.shape and (got_gw[300:] == 0).all()
+    assert (got_gw[:300] - want_gw).abs().max() <= tol * want_gw.abs().max()
