@@ -42,7 +42,7 @@ def test_loss_and_gradients_match_the_plain_form(dtype, cap):
 
 
 def test_chunks_cover_every_row_and_the_per_position_form_matches():
-    x, w, y = inputs(n=1000, v=700)  # 700 columns: 374 rows per chunk, a short last chunk
+    x, w, y = inputs(n=1000, v=700)  # 700 columns: 187 rows a chunk per thread, a short last chunk
     with torch.no_grad():
         got = softcapped_cross_entropy(x, w, y, CAP, reduction="none")
         want = plain(x, w, y, reduction="none")
