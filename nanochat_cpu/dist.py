@@ -63,6 +63,9 @@ def fail(env: DistEnv | None, code: int, msg: str) -> None:
     os._exit(code)
 
 
+NCCL_TIMEOUT_MARGIN_S = 60.0  # NCCL's collective timeout exceeds --collective-timeout by this
+
+
 def backend_for(device: str) -> str:
     return {"cpu": "gloo", "cuda": "nccl"}[device]
 
@@ -85,6 +88,11 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
         return env
     env.backend = backend_for(device)
     kwargs = {"device_id": dev} if device == "cuda" else {}
+    if device == "cuda":
+        # Gloo raises a timed-out collective in the rank's thread, which names it (Watchdog.phase).
+        # NCCL's own watchdog instead aborts the process, unnamed: leave the naming to ours (bound
+        # timeout_s + 30 s, see train.py) and NCCL's abort as the backstop after it.
+        timeout_s += NCCL_TIMEOUT_MARGIN_S
     dist.init_process_group(env.backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     hosts: list[str | None] = [None] * world_size
     dist.all_gather_object(hosts, env.host)

@@ -23,6 +23,9 @@ IGNORE_INDEX = -1
 # fp32 values per chunk and thread: 512 KiB, so each core's part of the chunk and of its exp() copy
 # stay in its L2 while walked (2 MiB here; 1 MiB per thread measured 3-4 ms a step slower)
 CHUNK_ELEMENTS_PER_THREAD = 1 << 17
+# On a GPU kernel launches cost, not cache misses: few large chunks (256 MiB of fp32 values each,
+# which bounds the temporaries when a large batch's logits run to gigabytes)
+CUDA_CHUNK_ELEMENTS = 1 << 26
 MAX_UNSHIFTED_CAP = 40.0  # sum over a 2^17 vocabulary of exp(40) is ~3e22, far below fp32's 3e38
 
 
@@ -59,7 +62,8 @@ def _chunk_losses(z: torch.Tensor, targets: torch.Tensor, cap: float, grad: bool
 
 def _losses_by_chunk(z: torch.Tensor, targets: torch.Tensor, cap: float, grad: bool) -> torch.Tensor:
     """Per-row losses of the whole logits buffer, walked in cache-sized row chunks."""
-    rows = max(1, CHUNK_ELEMENTS_PER_THREAD * torch.get_num_threads() // z.size(1))
+    per_chunk = CUDA_CHUNK_ELEMENTS if z.is_cuda else CHUNK_ELEMENTS_PER_THREAD * torch.get_num_threads()
+    rows = max(1, per_chunk // z.size(1))
     return torch.cat([_chunk_losses(z[s:s + rows], targets[s:s + rows], cap, grad)
                       for s in range(0, z.size(0), rows)])
 

@@ -126,6 +126,7 @@ class MuonAdamW:
                  muon_dtype: torch.dtype = torch.float32, comm_dtype: torch.dtype = torch.float32,
                  param_comm_dtype: torch.dtype = torch.float32, arena: SharedArena | None = None):
         self.groups = groups
+        self.device = groups[0].params[0].device
         self.rank, self.world_size = rank, world_size
         self.muon_dtype = muon_dtype
         # Gradients may travel in bf16 (half the bytes on a slow link).
@@ -277,9 +278,7 @@ class MuonAdamW:
             ids = g.grad_buf.any(dim=1).nonzero().squeeze(1)
         count = torch.tensor([ids.numel()], dtype=torch.int64, device=ids.device)
         counts = torch.empty(self.world_size, dtype=torch.int64, device=ids.device)
-        t0 = time.perf_counter()
-        all_gather(counts, count, async_op=True).wait()
-        self.last_comm_wait += time.perf_counter() - t0
+        self._wait(all_gather(counts, count, async_op=True))
         width = int(counts.max())
         send_ids = torch.full((width,), -1, dtype=torch.int64, device=ids.device)
         send_ids[: ids.numel()] = ids
@@ -291,12 +290,20 @@ class MuonAdamW:
         g.pending = [("ids", all_ids, all_gather(all_ids, send_ids, async_op=True)),
                      ("rows", all_rows, all_gather(all_rows, send_rows, async_op=True))]
 
+    def _wait(self, work: dist.Work) -> None:
+        """Block until a collective is complete; the time counts as communication wait. On CUDA,
+        Work.wait() only makes the compute stream wait, so the host synchronises too: otherwise
+        the wait would surface, unmeasured, in whatever synchronises next."""
+        t0 = time.perf_counter()
+        work.wait()
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        self.last_comm_wait += time.perf_counter() - t0
+
     def _finish_reduce(self, g: Group) -> None:
         got = {}
         for kind, tensor, work in g.pending:
-            t0 = time.perf_counter()
-            work.wait()
-            self.last_comm_wait += time.perf_counter() - t0
+            self._wait(work)
             got[kind] = tensor
         g.pending = []
         if "dense" in got:  # (world, shard, *unit): every rank's gradient of this rank's slice
@@ -324,7 +331,8 @@ class MuonAdamW:
         b1, b2 = g.betas
         lr = g.lr * g.lr_multiplier
         # one fused, vectorised pass over memory (the embeddings dominate the optimizer's bytes)
-        steps = [torch.tensor(float(self.step_count)) for _ in params]
+        # the step counts live with the parameters: the CUDA kernel reads them on the device
+        steps = [torch.tensor(float(self.step_count), dtype=torch.float32, device=p.device) for p in params]
         torch._fused_adamw_(params, grads, m, v, [], steps, lr=lr, beta1=b1, beta2=b2,
                             weight_decay=g.weight_decay, eps=g.eps, amsgrad=False, maximize=False)
 
@@ -395,9 +403,7 @@ class MuonAdamW:
                 update = g.master.sub_(owned).to(self.param_comm_dtype)
                 gathers.append((g, all_gather(g.update_buf, update, async_op=True)))
         for g, work in gathers:
-            t0 = time.perf_counter()
-            work.wait()
-            self.last_comm_wait += time.perf_counter() - t0
+            self._wait(work)
             if g.update_buf is not None:  # the same rounded update on every rank, owner included
                 g.param_buf.add_(g.update_buf)
 
@@ -541,8 +547,9 @@ class MuonAdamW:
                 f"{self.rank} of {self.world_size}: keep the same hosts and processes per node to resume, "
                 f"or start a new run (--resume never)")
         self.step_count = sd["step_count"]
-        for g in self.groups:
-            g.state = {k: v.clone() for k, v in sd["groups"][g.name].items()}
+        for g in self.groups:  # checkpoints are read onto the CPU: the state goes to the parameters' device
+            device = g.params[0].device
+            g.state = {k: v.to(device, copy=True) for k, v in sd["groups"][g.name].items()}
 
 
 def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dtype,

@@ -55,8 +55,11 @@ def reuse_freed_memory() -> str:
     return "glibc keeps freed blocks for reuse (M_MMAP_MAX=0)"
 
 
-def measure_matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.4, n: int = 1024) -> float:
-    """Sustained FLOP/s of square matmuls, the ceiling MFU is measured against."""
+def measure_matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float = 0.4, n: int | None = None,
+                        ) -> float:
+    """Sustained FLOP/s of square matmuls, the ceiling MFU is measured against (a GPU needs larger
+    ones than a CPU to be busy rather than waiting on kernel launches)."""
+    n = n or (4096 if device.type == "cuda" else 1024)
     a = torch.randn(n, n, device=device, dtype=dtype)
     b = torch.randn(n, n, device=device, dtype=dtype)
     for _ in range(2):

@@ -46,7 +46,7 @@ from .dist import (
 )
 from .model import GPT, flops_per_token, model_config_from, parameter_breakdown
 from .optim import MuonAdamW, build_optimizer
-from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib, reuse_freed_memory
+from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib, reuse_freed_memory, sync
 from .shm import make_arena
 from .tokenizer import Tokenizer
 from .tracking import Tracker
@@ -203,9 +203,11 @@ def calibrate_split(model: GPT, cfg: TrainConfig, env: DistEnv, ctx, watchdog: W
         t0 = time.perf_counter()
         with ctx:
             model(x, y).backward()
+        sync(env.device)  # on CUDA the pass has only been queued
         times.append(time.perf_counter() - t0)
     model.zero_grad(set_to_none=True)
-    mine = torch.tensor([sum(times[1:]) / (len(times) - 1)], dtype=torch.float64)
+    # collectives take tensors on the run's device (NCCL has no CPU tensors)
+    mine = torch.tensor([sum(times[1:]) / (len(times) - 1)], dtype=torch.float64, device=env.device)
     everyone = [torch.zeros_like(mine) for _ in range(env.world_size)]
     with watchdog.phase("all_gather calibration", 0):
         dist.all_gather(everyone, mine)
@@ -239,7 +241,7 @@ def log_rank_timings(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int
     """Who computed how long and who waited: the numbers behind the work split. And whether the
     cluster is any faster than its fastest node would be alone: said at the first timing step
     (returns True once said), loudly if it is not."""
-    mine = torch.tensor([compute_s, wait_s, step_s], dtype=torch.float64)
+    mine = torch.tensor([compute_s, wait_s, step_s], dtype=torch.float64, device=env.device)
     everyone = [torch.zeros_like(mine) for _ in range(env.world_size)]
     with watchdog.phase("all_gather timings", step):
         dist.all_gather(everyone, mine)
@@ -485,7 +487,7 @@ def run(cfg: TrainConfig) -> None:
         check_parameters_agree(env, model, 0)
     while step < cfg.num_iterations:
         t0 = time.perf_counter()
-        loss_sum = 0.0
+        loss_sum = torch.zeros((), device=env.device)  # read once a step: .item() would sync each micro-step
         for micro in range(accum):
             try:
                 x, y = next(batches)
@@ -500,7 +502,8 @@ def run(cfg: TrainConfig) -> None:
             # the last backward starts each group's gradient reduce as soon as that group is done
             opt.sync_in_backward = micro == accum - 1
             (loss * loss_scale).backward()
-            loss_sum += loss.item()
+            loss_sum += loss.detach().float()
+        sync(env.device)  # CUDA queues work: time what ran, not what was queued
         t_compute = time.perf_counter() - t0
         mult = lr_multiplier(cfg, step)
         for g in opt.groups:
@@ -511,8 +514,9 @@ def run(cfg: TrainConfig) -> None:
             opt.step()
         opt.zero_grad()
         step += 1
+        sync(env.device)
         dt = time.perf_counter() - t0
-        train_loss = loss_sum / accum
+        train_loss = loss_sum.item() / accum
         tok_per_s = cfg.total_batch_size / dt
         mfu = 100 * fpt * tok_per_s / (peak * env.world_size)
         if env.master:

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from nanochat_cpu.optim import Group, MuonAdamW
 from tests.torchrun_helpers import REPO, node_env, run_torchrun
 
 WORKER = str(REPO / "tests" / "dist_worker.py")
@@ -142,3 +143,30 @@ def test_diverged_ranks_are_stopped_by_checksum_guard():
     assert "parameters diverged across ranks at step 7" in out
     assert "rank 1@" in out and "blocks.1.mlp.c_fc.weight" in out
     assert "parameters agree" not in out
+
+
+def meta_optimizer() -> tuple[MuonAdamW, torch.nn.Parameter]:
+    """A one-rank optimizer over a parameter on another device than the CPU ('meta' stands in for
+    a GPU, which this machine lacks): where the optimizer puts its own tensors is then visible."""
+    p = torch.nn.Parameter(torch.zeros(4, 3, device="meta"))
+    return MuonAdamW([Group("adamw", "w", [p], lr=0.1)]), p
+
+
+def test_loaded_optimizer_state_moves_to_the_parameters_device():
+    """Checkpoints are read onto the CPU; on a CUDA run the state must land on the GPU."""
+    opt, _ = meta_optimizer()
+    state = {"exp_avg": torch.zeros(0), "exp_avg.0": torch.ones(4, 3), "exp_avg_sq.0": torch.ones(4, 3)}
+    opt.load_state_dict({"step_count": 3, "world_size": 1, "rank": 0, "groups": {"w": state}})
+    assert opt.step_count == 3
+    assert {k: v.device.type for k, v in opt.groups[0].state.items()} == dict.fromkeys(state, "meta")
+
+
+def test_adamw_step_counts_live_on_the_parameters_device(monkeypatch):
+    """The fused AdamW kernel reads its step counts on the parameters' device (CUDA: not the CPU)."""
+    seen = []
+    monkeypatch.setattr(torch, "_fused_adamw_", lambda params, grads, m, v, _, steps, **kw: seen.append(
+        {t.device.type for t in (*params, *grads, *m, *v, *steps)}))
+    opt, p = meta_optimizer()
+    p.grad = torch.zeros_like(p)
+    opt.step()
+    assert seen == [{"meta"}]
