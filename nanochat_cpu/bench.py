@@ -11,6 +11,9 @@ data (next batch), model (forward + backward), optimizer arithmetic, and communi
 matmul peak measured on this machine with the same thread count. Token ids are synthetic by
 default (throughput does not depend on them) so any vocabulary size can be measured; pass
 --data-dir/--tokenizer-dir to time the real parquet loader as well.
+
+`--device cuda` measures a GPU node the same way (NCCL between processes, one GPU per process,
+every part synchronised with the device; `--dtype bfloat16` is what the trainer's auto picks there).
 """
 
 from __future__ import annotations
@@ -30,9 +33,10 @@ import torch  # noqa: E402 - process start time is taken before the heavy import
 import torch.distributed as dist  # noqa: E402
 
 from .config import TrainConfig  # noqa: E402
+from .dist import backend_for  # noqa: E402
 from .model import GPT, flops_per_token, model_config_from, parameter_breakdown  # noqa: E402
 from .optim import build_optimizer  # noqa: E402
-from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib, reuse_freed_memory  # noqa: E402
+from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib, reuse_freed_memory, sync  # noqa: E402
 from .shm import make_arena  # noqa: E402
 
 
@@ -53,8 +57,13 @@ def worker(args: argparse.Namespace) -> None:
     allocator = reuse_freed_memory()  # as the trainer does
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
+    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0")) if args.device == "cuda" else None)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        torch.cuda.reset_peak_memory_stats(device)
     if world > 1:
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=600))
+        dist.init_process_group(backend_for(args.device), timeout=datetime.timedelta(seconds=600),
+                                **({"device_id": device} if device.type == "cuda" else {}))
     tokens_per_rank = args.total_batch_size // world
     batch = tokens_per_rank // args.max_seq_len
     if args.tokenizer_dir:
@@ -72,25 +81,33 @@ def worker(args: argparse.Namespace) -> None:
     model = GPT(model_config_from(args.depth, cfg.aspect_ratio, cfg.head_dim, vocab, args.max_seq_len,
                                   cfg.window_pattern))
     model.init_weights(0)
+    model.to(device)
     muon_dtype = torch.bfloat16 if args.muon_dtype == "bfloat16" or (
-        args.muon_dtype == "auto" and cpu_has_native_bf16()) else torch.float32
-    arena, _ = make_arena(args.local_comm, rank, world, torch.device("cpu"), model)
+        args.muon_dtype == "auto" and (device.type == "cuda" or cpu_has_native_bf16())) else torch.float32
+    arena, _ = make_arena(args.local_comm, rank, world, device, model)
     opt = build_optimizer(model, cfg, rank, world, muon_dtype, arena)
     fwd = torch.compile(model, dynamic=False) if args.compile == "on" else model
-    peak = measure_matmul_peak(torch.device("cpu"), torch.float32)
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    peak = measure_matmul_peak(device, dtype)
     fpt = flops_per_token(model)
     times: dict[str, list[float]] = {"data": [], "model": [], "optim": [], "comm": [], "step": []}
     first_step_s = None
     for i in range(args.warmup + args.steps):
         t0 = time.perf_counter()
         x, y = next(batches)
+        x, y = x.to(device), y.to(device)
+        sync(device)
         t1 = time.perf_counter()
-        loss = fwd(x, y)
+        with autocast:
+            loss = fwd(x, y)
         opt.sync_in_backward = args.overlap == "on"
         (loss / world).backward()
+        sync(device)
         t2 = time.perf_counter()
         opt.step()
         opt.zero_grad()
+        sync(device)
         t3 = time.perf_counter()
         if i == 0:
             first_step_s = t3 - PROCESS_START
@@ -99,7 +116,8 @@ def worker(args: argparse.Namespace) -> None:
                          ("comm", opt.last_comm_wait), ("step", t3 - t0)):
                 times[k].append(v)
     mean = {k: sum(v) / len(v) for k, v in times.items()}
-    result = {"depth": args.depth, "nproc": world, "compile": args.compile, "comm_dtype": args.comm_dtype,
+    result = {"device": device.type, "dtype": args.dtype, "depth": args.depth, "nproc": world,
+              "compile": args.compile, "comm_dtype": args.comm_dtype,
               "local_comm": args.local_comm, "malloc": allocator,
               "vocab": vocab, "tokens_per_step": args.total_batch_size, "threads": torch.get_num_threads(),
               "step_ms": round(mean["step"] * 1000, 1),
@@ -115,6 +133,8 @@ def worker(args: argparse.Namespace) -> None:
     else:
         rss = [peak_rss_mib()]
     result["peak_rss_mib_per_rank"] = round(max(rss), 0)
+    if device.type == "cuda":  # this rank's; the others' GPUs hold the same model and batch size
+        result["peak_gpu_mib_rank0"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 0)
     if rank == 0:
         print("BENCH " + json.dumps(result), flush=True)
 
@@ -127,7 +147,7 @@ def launch(args: argparse.Namespace, depth: int, nproc: int, compile_mode: str) 
               "--warmup", str(args.warmup), "--max-seq-len", str(args.max_seq_len),
               "--total-batch-size", str(args.total_batch_size), "--vocab-size", str(args.vocab_size),
               "--muon-dtype", args.muon_dtype, "--overlap", args.overlap, "--comm-dtype", args.comm_dtype,
-              "--local-comm", args.local_comm]
+              "--local-comm", args.local_comm, "--device", args.device, "--dtype", args.dtype]
     if args.tokenizer_dir:
         common += ["--data-dir", args.data_dir, "--tokenizer-dir", args.tokenizer_dir]
     if nproc == 1:
@@ -159,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--depth", type=int, default=4)
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--compile", choices=("on", "off"), default="off")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: one GPU per process, NCCL between them")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="autocast dtype of the model (the README's CPU table is float32)")
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max-seq-len", type=int, default=512)
@@ -177,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--table", action="store_true", help="depth 4/8 x 1/2 processes x compile on/off")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error(f"--device cuda: torch {torch.__version__} sees no CUDA device (install the CUDA wheel, "
+                f"or measure with --device cpu)")
     if args.worker:
         worker(args)
         return 0
@@ -184,8 +211,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(launch(args, args.depth, args.nproc, args.compile)))
         return 0
     rows = []
+    # two processes need two GPUs on a CUDA node
+    nprocs = (1, 2) if args.device == "cpu" else tuple(sorted({1, min(2, torch.cuda.device_count())}))
     for depth in (4, 8):
-        for nproc in (1, 2):
+        for nproc in nprocs:
             for compile_mode in ("off", "on"):
                 rows.append(launch(args, depth, nproc, compile_mode))
                 print(f"# {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
