@@ -104,6 +104,8 @@ def softcapped_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: tor
     "none" (per position, for evaluation without gradients).
     """
     vocab = weight.size(0) if vocab is None else vocab
+    if not 0 < vocab <= weight.size(0):
+        raise ValueError(f"vocab={vocab}: the head has {weight.size(0)} rows")
     if torch.compiler.is_compiling():  # the compiler fuses the plain form into a few kernels itself
         logits = cap * torch.tanh((x @ weight[:vocab].t()).float() / cap)
         return F.cross_entropy(logits, targets, ignore_index=IGNORE_INDEX, reduction=reduction)

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .perf import sync
 from .shm import SharedArena
 
 # Quintic Newton-Schulz coefficients (Keller Jordan, modded-nanogpt): maximise the slope at
@@ -294,10 +295,10 @@ class MuonAdamW:
         """Block until a collective is complete; the time counts as communication wait. On CUDA,
         Work.wait() only makes the compute stream wait, so the host synchronises too: otherwise
         the wait would surface, unmeasured, in whatever synchronises next."""
+        sync(self.device)  # the update kernels queued before it are optimizer time, not waiting
         t0 = time.perf_counter()
         work.wait()
-        if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
+        sync(self.device)
         self.last_comm_wait += time.perf_counter() - t0
 
     def _finish_reduce(self, g: Group) -> None:

@@ -76,8 +76,10 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float
 
 
 def sync(device: torch.device) -> None:
+    """Wait for the work queued on the device's compute stream (CUDA; a CPU runs it in place).
+    Not the whole device: collectives running on NCCL's own streams are joined by Work.wait()."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def peak_rss_mib() -> float:

@@ -147,6 +147,7 @@ def evaluate_bpb(model: GPT, cfg: TrainConfig, env: DistEnv, tokenizer: Tokenize
     if env.distributed:
         with watchdog.phase("all_reduce val bpb", step):
             dist.all_reduce(totals)
+            sync(env.device)  # NCCL returns once queued: wait for it inside the watched phase
     model.train()
     return float(totals[0] / (math.log(2) * totals[1].clamp(min=1)))
 
@@ -211,6 +212,7 @@ def calibrate_split(model: GPT, cfg: TrainConfig, env: DistEnv, ctx, watchdog: W
     everyone = [torch.zeros_like(mine) for _ in range(env.world_size)]
     with watchdog.phase("all_gather calibration", 0):
         dist.all_gather(everyone, mine)
+        sync(env.device)
     seconds = [float(t) for t in everyone]
     sizes = balanced_split([t / cfg.device_batch_size for t in seconds], cfg.total_batch_size // cfg.max_seq_len,
                            cfg.device_batch_size * env.world_size)
@@ -245,6 +247,7 @@ def log_rank_timings(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int
     everyone = [torch.zeros_like(mine) for _ in range(env.world_size)]
     with watchdog.phase("all_gather timings", step):
         dist.all_gather(everyone, mine)
+        sync(env.device)
     if not env.master:
         return True
     log(env, f"timing step {step:05d}: " + " | ".join(
