@@ -19,7 +19,6 @@ every part synchronised with the device; `--dtype bfloat16` is what the trainer'
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import subprocess
@@ -33,11 +32,12 @@ import torch  # noqa: E402 - process start time is taken before the heavy import
 import torch.distributed as dist  # noqa: E402
 
 from .config import TrainConfig  # noqa: E402
-from .dist import backend_for  # noqa: E402
+from .dist import init_distributed  # noqa: E402
 from .model import GPT, flops_per_token, model_config_from, parameter_breakdown  # noqa: E402
 from .optim import build_optimizer  # noqa: E402
-from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib, reuse_freed_memory, sync  # noqa: E402
+from .perf import measure_matmul_peak, peak_rss_mib, reuse_freed_memory, sync  # noqa: E402
 from .shm import make_arena  # noqa: E402
+from .train import autocast_for, resolve_muon_dtype  # noqa: E402
 
 
 class SyntheticBatches:
@@ -55,15 +55,8 @@ class SyntheticBatches:
 
 def worker(args: argparse.Namespace) -> None:
     allocator = reuse_freed_memory()  # as the trainer does
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    device = torch.device(args.device, int(os.environ.get("LOCAL_RANK", "0")) if args.device == "cuda" else None)
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
-        torch.cuda.reset_peak_memory_stats(device)
-    if world > 1:
-        dist.init_process_group(backend_for(args.device), timeout=datetime.timedelta(seconds=600),
-                                **({"device_id": device} if device.type == "cuda" else {}))
+    env = init_distributed(args.device, timeout_s=600)  # the trainer's device and process group
+    world, rank, device = env.world_size, env.rank, env.device
     tokens_per_rank = args.total_batch_size // world
     batch = tokens_per_rank // args.max_seq_len
     if args.tokenizer_dir:
@@ -76,19 +69,18 @@ def worker(args: argparse.Namespace) -> None:
     else:
         vocab = args.vocab_size
         batches = SyntheticBatches(vocab, batch, args.max_seq_len, seed=rank)
-    cfg = TrainConfig(depth=args.depth, max_seq_len=args.max_seq_len, grad_comm_dtype=args.comm_dtype,
-                      param_comm_dtype=args.comm_dtype)
+    cfg = TrainConfig(device=args.device, depth=args.depth, max_seq_len=args.max_seq_len,
+                      muon_dtype=args.muon_dtype, grad_comm_dtype=args.comm_dtype, param_comm_dtype=args.comm_dtype)
     model = GPT(model_config_from(args.depth, cfg.aspect_ratio, cfg.head_dim, vocab, args.max_seq_len,
                                   cfg.window_pattern))
     model.init_weights(0)
     model.to(device)
-    muon_dtype = torch.bfloat16 if args.muon_dtype == "bfloat16" or (
-        args.muon_dtype == "auto" and (device.type == "cuda" or cpu_has_native_bf16())) else torch.float32
+    muon_dtype, _ = resolve_muon_dtype(cfg)
     arena, _ = make_arena(args.local_comm, rank, world, device, model)
     opt = build_optimizer(model, cfg, rank, world, muon_dtype, arena)
     fwd = torch.compile(model, dynamic=False) if args.compile == "on" else model
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
-    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    autocast = autocast_for(device, dtype)
     peak = measure_matmul_peak(device, dtype)
     fpt = flops_per_token(model)
     times: dict[str, list[float]] = {"data": [], "model": [], "optim": [], "comm": [], "step": []}

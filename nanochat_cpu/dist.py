@@ -63,7 +63,8 @@ def fail(env: DistEnv | None, code: int, msg: str) -> None:
     os._exit(code)
 
 
-NCCL_TIMEOUT_MARGIN_S = 60.0  # NCCL's collective timeout exceeds --collective-timeout by this
+WATCHDOG_GRACE_S = 30.0  # the watchdog exits a rank this long after --collective-timeout
+NCCL_TIMEOUT_MARGIN_S = 2 * WATCHDOG_GRACE_S  # NCCL's own timeout: after the watchdog, as a backstop
 
 
 def backend_for(device: str) -> str:
@@ -90,8 +91,8 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
     kwargs = {"device_id": dev} if device == "cuda" else {}
     if device == "cuda":
         # Gloo raises a timed-out collective in the rank's thread, which names it (Watchdog.phase).
-        # NCCL's own watchdog instead aborts the process, unnamed: leave the naming to ours (bound
-        # timeout_s + 30 s, see train.py) and NCCL's abort as the backstop after it.
+        # NCCL's own watchdog instead aborts the process, unnamed: leave the naming to ours
+        # (Watchdog, timeout_s + WATCHDOG_GRACE_S) and NCCL's abort as the backstop after it.
         timeout_s += NCCL_TIMEOUT_MARGIN_S
     dist.init_process_group(env.backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     hosts: list[str | None] = [None] * world_size

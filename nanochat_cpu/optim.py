@@ -549,8 +549,7 @@ class MuonAdamW:
                 f"or start a new run (--resume never)")
         self.step_count = sd["step_count"]
         for g in self.groups:  # checkpoints are read onto the CPU: the state goes to the parameters' device
-            device = g.params[0].device
-            g.state = {k: v.to(device, copy=True) for k, v in sd["groups"][g.name].items()}
+            g.state = {k: v.to(self.device, copy=True) for k, v in sd["groups"][g.name].items()}
 
 
 def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dtype,

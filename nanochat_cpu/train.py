@@ -37,6 +37,7 @@ from .data import TokenLoader, check_dataset
 from .dist import (
     EXIT_CONFIG,
     EXIT_MISMATCH,
+    WATCHDOG_GRACE_S,
     DistEnv,
     Watchdog,
     check_parameters_agree,
@@ -372,7 +373,7 @@ def run(cfg: TrainConfig) -> None:
         env = init_distributed(cfg.device, cfg.collective_timeout)
     except RuntimeError as exc:
         fail(None, EXIT_CONFIG, str(exc))
-    watchdog = Watchdog(env, cfg.collective_timeout + 30)
+    watchdog = Watchdog(env, cfg.collective_timeout + WATCHDOG_GRACE_S)
     native_bf16 = cpu_has_native_bf16()
     lacking_bf16 = [] if native_bf16 else [f"rank 0@{env.host}"]
     if env.distributed:  # every rank stops if any host lacks its inputs, each naming that host
