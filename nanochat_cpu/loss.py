@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .grad_target import grad_target
+
 IGNORE_INDEX = -1
 # fp32 values per chunk and thread: 512 KiB, so each core's part of the chunk and of its exp() copy
 # stay in its L2 while walked (2 MiB here; 1 MiB per thread measured 3-4 ms a step slower)
@@ -84,8 +86,11 @@ class _SoftcappedCrossEntropy(torch.autograd.Function):
         scale = grad_loss / valid
         grad_x = (z @ weight[:vocab].to(z.dtype)).to(x.dtype).mul_(scale)  # (N, d): small, scaled after
         # the whole (padded) weight's gradient, written in place: slicing the weight before the
-        # call instead would make autograd zero a second full-size buffer and copy this one into it
-        grad_w = torch.empty_like(weight)
+        # call instead would make autograd zero a second full-size buffer and copy this one into it.
+        # Into the optimizer's shared buffer where it has given one (grad_target.py).
+        grad_w = grad_target(weight)
+        if grad_w is None:
+            grad_w = torch.empty_like(weight)
         grad_w[vocab:].zero_()  # padding rows never score
         if z.dtype == torch.float32:  # (vocab, d): the scale rides on the small operand, before the GEMM
             torch.mm(z.t(), x * scale, out=grad_w[:vocab])

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .grad_target import linear
 from .loss import softcapped_cross_entropy
 
 LOGIT_SOFTCAP = 15.0
@@ -107,13 +108,13 @@ class Attention(nn.Module):
 
     def forward(self, x, ve, cos, sin, mask):
         B, T, _ = x.shape
-        q = self.c_q(x).view(B, T, self.n_head, self.head_dim)
-        k = self.c_k(x).view(B, T, self.n_head, self.head_dim)
-        v = self.c_v(x).view(B, T, self.n_head, self.head_dim)
+        q = linear(x, self.c_q.weight).view(B, T, self.n_head, self.head_dim)
+        k = linear(x, self.c_k.weight).view(B, T, self.n_head, self.head_dim)
+        v = linear(x, self.c_v.weight).view(B, T, self.n_head, self.head_dim)
         if ve is not None:
             # gate in (0, 2), starting at 1 (zero-initialised weights): the model learns how
             # much of the token's value embedding each head mixes in
-            gate = 2 * torch.sigmoid(self.ve_gate(x[..., :VE_GATE_CHANNELS]))
+            gate = 2 * torch.sigmoid(linear(x[..., :VE_GATE_CHANNELS], self.ve_gate.weight))
             v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_head, self.head_dim)
         q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
@@ -121,7 +122,7 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, -1))
+        return linear(y.transpose(1, 2).reshape(B, T, -1), self.c_proj.weight)
 
 
 class MLP(nn.Module):
@@ -131,7 +132,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
 
     def forward(self, x):
-        return self.c_proj(F.relu(self.c_fc(x)).square())
+        return linear(F.relu(linear(x, self.c_fc.weight)).square(), self.c_proj.weight)
 
 
 class Block(nn.Module):

@@ -30,8 +30,8 @@ With every rank on one host (`shm.SharedArena`), the parameters and every rank's
 shared memory instead: each rank sums its slice from the others' gradient buffers and updates its
 slice of the one parameter copy in place; two barriers per step replace the collectives. What
 crosses between processes is kept to what the owner needs:
-- dense groups: a rank copies into its shared buffer only the parts other ranks own; its own part
-  is read where autograd wrote it;
+- dense groups: the backward writes each weight gradient straight into the rank's shared buffer
+  (grad_target.py), and the owner adds the others' parts into its own part in place: no copies;
 - embedding tables: ranks flag the rows they touched, and the owner adds up only those rows.
 
 Collectives are completed with `Work.wait()`, never `Work.get_future()`, which Gloo does not
@@ -43,12 +43,14 @@ global batch's tokens, so uneven per-rank batches still give the global mean gra
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from .grad_target import set_grad_target
 from .perf import sync
 from .shm import SharedArena
 
@@ -100,14 +102,14 @@ class Group:
     shard: int = 0
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     # N ranks: persistent buffers of shape (shard x world, *unit); parameters and grads are views
-    # (except in shared memory, where a dense group's .grad is autograd's private tensor and this
-    # rank's grad_buf holds only the parts other ranks own: its own slice there is never read)
+    # (in shared memory a dense group's .grad is the view only where the backward wrote it there
+    # itself, grad_target.py; otherwise it is autograd's own tensor, copied over by _publish_dense)
     param_buf: torch.Tensor | None = None
     grad_buf: torch.Tensor | None = None
     grad_all: torch.Tensor | None = None  # shared memory: every rank's grad_buf, (world, ...)
     grad_views: list[torch.Tensor] = field(default_factory=list)  # each parameter's place in grad_buf
     offsets: list[int] = field(default_factory=list)  # each parameter's first element in the buffers
-    grad_slice: torch.Tensor | None = None  # the summed gradient of the owned units
+    grad_slice: torch.Tensor | None = None  # the summed gradient of the owned units (not shared dense)
     master: torch.Tensor | None = None  # the owned units' values, updated, then all-gathered
     update_buf: torch.Tensor | None = None  # every rank's rounded update (--param-comm-dtype bfloat16)
     recv_buf: torch.Tensor | None = None  # every rank's gradient of the owned slice, before the sum
@@ -184,18 +186,21 @@ class MuonAdamW:
             if self.arena is None or self.rank == 0:  # shared: one copy (the ranks' weights are equal)
                 data.copy_(p.data)
             p.data = data  # the module now reads and trains the buffer itself
-            if self.arena is None or g.sparse_rows:  # shared dense groups publish fresh gradients instead
+            if self.arena is None or g.sparse_rows:
                 p.grad = grad
+            else:  # shared dense groups: the backward's own GEMMs write into the buffer (grad_target.py)
+                set_grad_target(p, grad)
             g.grad_views.append(grad)
             g.offsets.append(offset)
             offset += n
             if not g.sparse_rows and self.arena is None:
                 p.register_post_accumulate_grad_hook(self._grad_ready_hook(g))
-        g.grad_slice = torch.zeros((g.shard, *unit), dtype=p0.dtype, device=p0.device)
-        if self.arena is not None:
-            if g.sparse_rows:
+        if self.arena is not None:  # the shared buffers are all a step needs (_step_shared)
+            if g.sparse_rows:  # and a slice to add up the touched rows in
                 g.row_marks = self.arena.tensor(f"{g.name}.rows", (self.world_size, shape[0]), torch.bool)
-            return  # the shared buffers and grad_slice are all a step needs (_step_shared)
+                g.grad_slice = torch.zeros((g.shard, *unit), dtype=p0.dtype, device=p0.device)
+            return
+        g.grad_slice = torch.zeros((g.shard, *unit), dtype=p0.dtype, device=p0.device)
         g.master = torch.zeros_like(g.grad_slice)
         if self.param_comm_dtype != p0.dtype:
             g.update_buf = torch.zeros(shape, dtype=self.param_comm_dtype, device=p0.device)
@@ -439,15 +444,18 @@ class MuonAdamW:
 
     def _owned_elements(self, g: Group) -> tuple[int, int]:
         """[lo, hi) of this rank's slice in the group's flat buffers, in elements."""
-        per_unit = g.grad_slice[0].numel()
+        per_unit = math.prod(self._unit(g))
         return self.rank * g.shard * per_unit, (self.rank + 1) * g.shard * per_unit
 
     def _publish_dense(self, g: Group) -> None:
-        """Copy the parts of this rank's fresh gradients that other ranks own into its shared
-        buffer. The owned part stays where autograd wrote it: one copy less of 1/world of it."""
+        """Put the parts of this rank's gradients that other ranks own into its shared buffer.
+        Gradients the backward wrote there itself (grad_target.py) are in place already; others
+        (a compiled model's, say) are copied, except the owned part, which is read where it is."""
         lo, hi = self._owned_elements(g)
         shared = g.grad_buf.view(-1)
-        for p, start in zip(g.params, g.offsets, strict=True):
+        for p, start, view in zip(g.params, g.offsets, g.grad_views, strict=True):
+            if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+                continue
             end = start + p.numel()
             for a, b in ((start, min(end, lo)), (max(start, hi), end)):  # before and after the owned part
                 if a < b:
@@ -457,23 +465,22 @@ class MuonAdamW:
                         shared[a:b].copy_(p.grad.reshape(-1)[a - start: b - start])
 
     def _sum_shared_dense(self, g: Group) -> torch.Tensor:
-        """The owned slice's summed gradient: this rank's own part from its private .grad, the
-        others' from their shared buffers (padding past the last parameter stays zero)."""
+        """The owned slice's summed gradient, added up in place in this rank's own part of its
+        shared buffer: no other rank reads that part, and the next backward overwrites it."""
         lo, hi = self._owned_elements(g)
-        out = g.grad_slice.view(-1)
-        others = [g.grad_all[r].view(-1)[lo:hi] for r in range(self.world_size) if r != self.rank]
-        for p, start in zip(g.params, g.offsets, strict=True):
+        mine = g.grad_buf.view(-1)[lo:hi]
+        for p, start, view in zip(g.params, g.offsets, g.grad_views, strict=True):
             a, b = max(start, lo), min(start + p.numel(), hi)
-            if a >= b:
+            if a >= b or (p.grad is not None and p.grad.data_ptr() == view.data_ptr()):
                 continue
-            first_other = others[0][a - lo: b - lo]
             if p.grad is None:
-                out[a - lo: b - lo].copy_(first_other)
+                mine[a - lo: b - lo].zero_()
             else:
-                torch.add(p.grad.reshape(-1)[a - start: b - start], first_other, out=out[a - lo: b - lo])
-        for other in others[1:]:
-            out.add_(other)
-        return g.grad_slice
+                mine[a - lo: b - lo].copy_(p.grad.reshape(-1)[a - start: b - start])
+        for r in range(self.world_size):
+            if r != self.rank:
+                mine.add_(g.grad_all[r].view(-1)[lo:hi])  # padding past the last parameter stays zero
+        return mine.view(g.shard, *self._unit(g))
 
     def _sum_shared_rows(self, g: Group, lo: int) -> torch.Tensor:
         """The owned slice of a table's summed gradient, from only the rows some rank touched

@@ -89,6 +89,8 @@ def step(out: str, split: str | None) -> None:
         else:
             loss = model(mine[:, :-1], mine[:, 1:])
             (loss * sizes[env.rank] / GLOBAL_ROWS).backward()
+        if opt.arena is not None:
+            assert_gradients_written_into_shared_memory(model, opt)
         for name, p in model.named_parameters():
             if step_index == 1 and name in os.environ.get("NO_GRAD", "").split(","):
                 p.grad = torch.zeros_like(p) if os.environ.get("NO_GRAD_AS") == "zeros" else None
@@ -100,6 +102,16 @@ def step(out: str, split: str | None) -> None:
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out)
     if env.world_size > 1:
         dist.destroy_process_group()
+
+
+def assert_gradients_written_into_shared_memory(model: GPT, opt) -> None:
+    """The LM head's and the blocks' matrices' gradients are the shared buffer itself (written by
+    the loss and by the blocks' linear layers), not private tensors copied over."""
+    shared = {g.grad_all.untyped_storage().data_ptr() for g in opt.groups if g.grad_all is not None}
+    weights = [("lm_head.weight", model.lm_head.weight)] + [
+        (n, p) for n, p in model.blocks.named_parameters() if p.dim() == 2]
+    private = [n for n, p in weights if p.grad is None or p.grad.untyped_storage().data_ptr() not in shared]
+    assert len(weights) > 10 and not private, f"gradients outside shared memory: {private}"
 
 
 def diverge() -> None:

@@ -1,0 +1,49 @@
+"""Weight gradients written into the optimizer's buffer (grad_target.py): same values as autograd's,
+in the buffer's memory, and accumulated there by later micro-steps."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from nanochat_cpu.grad_target import linear, set_grad_target
+from nanochat_cpu.loss import softcapped_cross_entropy
+
+
+def test_linear_writes_its_weight_gradient_into_the_target_and_accumulates_there():
+    gen = torch.Generator().manual_seed(0)
+    weight = torch.nn.Parameter(torch.randn(6, 4, generator=gen))
+    reference = torch.nn.Parameter(weight.detach().clone())
+    buffer = torch.full((40,), float("nan"))  # stale contents must be overwritten, not added to
+    set_grad_target(weight, buffer[8:32].view(6, 4))
+    x = torch.randn(2, 3, 4, generator=gen, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    for micro_step in range(2):
+        linear(x, weight).square().sum().backward()
+        F.linear(x_ref, reference).square().sum().backward()
+        assert weight.grad.data_ptr() == buffer[8:].data_ptr(), f"micro-step {micro_step}: gradient not in the buffer"
+        torch.testing.assert_close(weight.grad, reference.grad)
+        torch.testing.assert_close(x.grad, x_ref.grad)
+    assert buffer[:8].isnan().all() and buffer[32:].isnan().all(), "wrote outside the target"
+
+
+def test_loss_writes_the_heads_gradient_into_the_target_with_zero_padding_rows():
+    gen = torch.Generator().manual_seed(1)
+    vocab, padded, width = 10, 16, 8
+    head = torch.nn.Parameter(torch.randn(padded, width, generator=gen))
+    reference = torch.nn.Parameter(head.detach().clone())
+    target = torch.full((padded, width), 7.0)  # last step's values: padding rows must come back zero
+    set_grad_target(head, target)
+    x = torch.randn(12, width, generator=gen)
+    y = torch.randint(0, vocab, (12,), generator=gen)
+    softcapped_cross_entropy(x, head, y, 15.0, vocab=vocab).backward()
+    F.cross_entropy(15.0 * torch.tanh(x @ reference[:vocab].t() / 15.0), y).backward()
+    assert head.grad.data_ptr() == target.data_ptr()
+    torch.testing.assert_close(head.grad, reference.grad)
+    assert (target[vocab:] == 0).all()
+
+
+def test_a_target_that_does_not_fit_the_parameter_is_refused():
+    with pytest.raises(ValueError, match=r"\(3, 4\).*does not fit a parameter \(4, 3\)"):
+        set_grad_target(torch.zeros(4, 3), torch.zeros(3, 4))
