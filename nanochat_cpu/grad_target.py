@@ -1,9 +1,9 @@
 """Weight gradients written straight into the buffer the optimizer reads them from.
 
 With every rank on one host the optimizer sums gradients out of shared memory (optim's
-`_step_shared`). Autograd writes each weight gradient into a fresh tensor, and the rank then copies
-the parts that other ranks own into its shared buffer: a pass over every dense gradient, each
-step (the LM head's share alone was 2.6 ms a step at depth 4).
+`_step_shared`), so a gradient that autograd writes into a fresh tensor has to be copied there:
+a pass over every dense gradient, each step (6-7 ms of a depth-4 step on one rank, 24-28 ms at
+depth 8, measured before this module existed).
 
 Instead the optimizer gives each dense weight a *target*, its view of the shared buffer, and the
 places that compute weight gradients with their own GEMMs write the result there: `linear` below
@@ -11,8 +11,12 @@ for the blocks' matrices, and the LM head's loss (`loss.py`). Autograd then adop
 `.grad` as it is: AccumulateGrad keeps a fresh gradient that nothing else references instead of
 copying it, and `grad_target` hands out a new view each time so that nothing does.
 
-Only a parameter's first gradient of a step goes to its target (its .grad is still None then):
-with gradient accumulation autograd adds the later micro-steps into .grad as usual.
+A target is handed out only for a parameter's first gradient of a step (its .grad is still None)
+and only once per backward pass: with gradient accumulation autograd adds the later micro-steps
+into .grad as usual, and a weight used twice in one graph gets its second gradient in a fresh
+tensor (the two must be added up, not written over each other). Gradients meant for anything but
+.grad (`torch.autograd.grad`) would land in the shared buffer too: the optimizer's parameters
+are for `.backward()` only.
 """
 
 from __future__ import annotations
@@ -24,19 +28,26 @@ _ATTRIBUTE = "_nanochat_grad_target"
 
 
 def set_grad_target(param: torch.Tensor, target: torch.Tensor | None) -> None:
-    """Have `param`'s gradient written into `target` (same shape, dtype and device; contiguous)."""
+    """Have `param`'s gradient written into `target` (same shape, dtype and device; contiguous);
+    None: autograd's own tensors again."""
     if target is not None and (target.shape != param.shape or target.dtype != param.dtype
-                               or not target.is_contiguous()):
-        raise ValueError(f"gradient target {tuple(target.shape)} {target.dtype} does not fit a parameter "
-                         f"{tuple(param.shape)} {param.dtype}")
-    setattr(param, _ATTRIBUTE, target)
+                               or target.device != param.device or not target.is_contiguous()):
+        raise ValueError(f"gradient target {tuple(target.shape)} {target.dtype} on {target.device} "
+                         f"(contiguous: {target.is_contiguous()}) does not fit a parameter "
+                         f"{tuple(param.shape)} {param.dtype} on {param.device}")
+    setattr(param, _ATTRIBUTE, (target, None))
 
 
 def grad_target(param: torch.Tensor) -> torch.Tensor | None:
-    """A fresh view of `param`'s target if its gradient should be written there now, else None."""
-    target = getattr(param, _ATTRIBUTE, None)
+    """A fresh view of `param`'s target if its gradient should be written there now, else None.
+    Called from a backward: the pass's id marks the target as taken for the rest of the pass."""
+    target, taken_in = getattr(param, _ATTRIBUTE, (None, None))
     if target is None or param.grad is not None:
         return None
+    this_pass = torch._C._current_graph_task_id()
+    if taken_in == this_pass:
+        return None
+    setattr(param, _ATTRIBUTE, (target, this_pass))
     return target.view(target.shape)
 
 
@@ -61,9 +72,13 @@ class _Linear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """F.linear without bias; through `_Linear` only where the weight has a target. Compiled or
-    autocast models keep F.linear (the compiler and autocast handle it themselves)."""
-    if (getattr(weight, _ATTRIBUTE, None) is None or torch.compiler.is_compiling()
+    """F.linear without bias; through `_Linear` only where the weight has a target.
+
+    Compiled models keep F.linear (the compiler fuses it into its own graph), and so do autocast
+    ones: under autocast `_Linear`'s backward would get a bf16 gradient for an fp32 weight and
+    have to redo autocast's casts itself. Their gradients are copied into the buffer instead.
+    """
+    if (getattr(weight, _ATTRIBUTE, (None, None))[0] is None or torch.compiler.is_compiling()
             or torch.is_autocast_enabled(x.device.type)):
         return F.linear(x, weight)
     return _Linear.apply(x, weight)

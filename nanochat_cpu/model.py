@@ -99,6 +99,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_head, self.head_dim = cfg.n_head, cfg.head_dim
         d = cfg.n_embd
+        # The blocks call linear(x, layer.weight), not the modules: its backward can write the
+        # weight's gradient into the optimizer's shared buffer (grad_target.py). So the layers
+        # have no bias and no module hooks run.
         self.c_q = nn.Linear(d, d, bias=False)
         self.c_k = nn.Linear(d, d, bias=False)
         self.c_v = nn.Linear(d, d, bias=False)

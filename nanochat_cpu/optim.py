@@ -31,7 +31,8 @@ shared memory instead: each rank sums its slice from the others' gradient buffer
 slice of the one parameter copy in place; two barriers per step replace the collectives. What
 crosses between processes is kept to what the owner needs:
 - dense groups: the backward writes each weight gradient straight into the rank's shared buffer
-  (grad_target.py), and the owner adds the others' parts into its own part in place: no copies;
+  (grad_target.py; a compiled or autocast model's block gradients, and the scalars', are copied
+  in), and the owner adds the others' parts into its own part in place;
 - embedding tables: ranks flag the rows they touched, and the owner adds up only those rows.
 
 Collectives are completed with `Work.wait()`, never `Work.get_future()`, which Gloo does not
@@ -156,6 +157,8 @@ class MuonAdamW:
             else:
                 g.numel = sum(p.numel() for p in g.params)
             g.shard = -(-g.numel // world_size)  # ceil: slices of equal size, last one padded
+            for p in g.params:  # an earlier optimizer's shared buffer, if any, is not this one's
+                set_grad_target(p, None)
             if world_size > 1:
                 self._make_buffers(g)
             if g.sparse_rows:
@@ -248,7 +251,7 @@ class MuonAdamW:
 
     def _grads_into_buffer(self, g: Group) -> None:
         """Make every .grad the buffer's view again (a trainer may have set grads to None).
-        Not for shared-memory dense groups, whose gradients stay private (_publish_dense)."""
+        Not for shared-memory dense groups, which have gradient targets instead (_publish_dense)."""
         for i, (p, grad) in enumerate(zip(g.params, g.grad_views, strict=True)):
             if p.grad is None:
                 grad.zero_()
@@ -420,7 +423,7 @@ class MuonAdamW:
 
     def _step_shared(self) -> None:
         """The N-rank step on one host: parameters live in shared memory, and each rank's
-        shared gradient buffer holds what the other ranks need of its gradients."""
+        shared gradient buffer holds its gradients (the owned part becomes the owner's sum)."""
         for g in self.groups:
             if g.sparse_rows:  # the backward added the rows in already: tell the owners which
                 self._grads_into_buffer(g)
@@ -447,14 +450,20 @@ class MuonAdamW:
         per_unit = math.prod(self._unit(g))
         return self.rank * g.shard * per_unit, (self.rank + 1) * g.shard * per_unit
 
+    @staticmethod
+    def _written_in_place(p: torch.Tensor, view: torch.Tensor) -> bool:
+        """Whether the backward wrote p's gradient into its place in the shared buffer itself."""
+        return p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+
     def _publish_dense(self, g: Group) -> None:
         """Put the parts of this rank's gradients that other ranks own into its shared buffer.
         Gradients the backward wrote there itself (grad_target.py) are in place already; others
-        (a compiled model's, say) are copied, except the owned part, which is read where it is."""
+        (a compiled or autocast model's, the scalars') are copied, except the owned part, which
+        _sum_shared_dense reads where it is."""
         lo, hi = self._owned_elements(g)
         shared = g.grad_buf.view(-1)
         for p, start, view in zip(g.params, g.offsets, g.grad_views, strict=True):
-            if p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+            if self._written_in_place(p, view):
                 continue
             end = start + p.numel()
             for a, b in ((start, min(end, lo)), (max(start, hi), end)):  # before and after the owned part
@@ -465,21 +474,25 @@ class MuonAdamW:
                         shared[a:b].copy_(p.grad.reshape(-1)[a - start: b - start])
 
     def _sum_shared_dense(self, g: Group) -> torch.Tensor:
-        """The owned slice's summed gradient, added up in place in this rank's own part of its
-        shared buffer: no other rank reads that part, and the next backward overwrites it."""
+        """The owned slice's summed gradient, added up in this rank's own part of its shared
+        buffer: no other rank reads that part, and the next backward overwrites it. Padding past
+        the last parameter is zero in every buffer and stays so."""
         lo, hi = self._owned_elements(g)
         mine = g.grad_buf.view(-1)[lo:hi]
+        others = [g.grad_all[r].view(-1)[lo:hi] for r in range(self.world_size) if r != self.rank]
         for p, start, view in zip(g.params, g.offsets, g.grad_views, strict=True):
             a, b = max(start, lo), min(start + p.numel(), hi)
-            if a >= b or (p.grad is not None and p.grad.data_ptr() == view.data_ptr()):
+            if a >= b:
                 continue
-            if p.grad is None:
-                mine[a - lo: b - lo].zero_()
-            else:
-                mine[a - lo: b - lo].copy_(p.grad.reshape(-1)[a - start: b - start])
-        for r in range(self.world_size):
-            if r != self.rank:
-                mine.add_(g.grad_all[r].view(-1)[lo:hi])  # padding past the last parameter stays zero
+            out, first_other = mine[a - lo: b - lo], others[0][a - lo: b - lo]
+            if self._written_in_place(p, view):
+                out.add_(first_other)
+            elif p.grad is None:
+                out.copy_(first_other)
+            else:  # a private gradient: one pass reads it and the first other rank's part
+                torch.add(p.grad.reshape(-1)[a - start: b - start], first_other, out=out)
+        for other in others[1:]:
+            mine.add_(other)
         return mine.view(g.shard, *self._unit(g))
 
     def _sum_shared_rows(self, g: Group, lo: int) -> torch.Tensor:
@@ -513,9 +526,9 @@ class MuonAdamW:
                 if g.row_marks is not None:  # every owner has read them (the step's last barrier)
                     g.row_marks[self.rank].zero_()
                 continue
-            # Shared memory: the backward writes fresh private gradients, and _step_shared copies
-            # only the parts other ranks own into the shared buffer (zeroing it and letting
-            # autograd add into it would be 4 passes over all of it)
+            # Shared memory: .grad None is what makes the next backward write into the shared
+            # buffer afresh (grad_target.py); zeroing it and letting autograd add into it would
+            # be 4 passes over all of it
             if g.grad_buf is None or self.arena is not None:
                 for p in g.params:
                     p.grad = None

@@ -3,7 +3,8 @@
 `step OUT [SIZES]`: two optimizer steps of a small GPT on a fixed global batch, each rank taking
 its contiguous share of the rows (SIZES like "4,2": rows per rank, weighted by tokens as the
 trainer does; default an even split); writes the final parameters to OUT (rank 0).
-LOCAL_COMM=shm shares the optimizer's buffers in /dev/shm (the ranks are on one host), default gloo.
+LOCAL_COMM=shm shares the optimizer's buffers in /dev/shm (the ranks are on one host), default gloo;
+PRIVATE_GRADS=1 then takes the gradient targets away, so every gradient is copied into them.
 DENSE_EMBEDDING_GRADS=1 gives the embedding tables dense gradients (the plain nn.Embedding way),
 the reference for the optimizer's sparse rows. NO_GRAD=name,name drops those parameters' .grad
 before the second step (which must not reuse what the first step's left behind); with
@@ -23,6 +24,7 @@ import torch.nn.functional as F
 
 from nanochat_cpu.config import TrainConfig
 from nanochat_cpu.dist import DistEnv, check_parameters_agree
+from nanochat_cpu.grad_target import set_grad_target
 from nanochat_cpu.model import GPT, model_config_from
 from nanochat_cpu.optim import build_optimizer
 from nanochat_cpu.shm import make_arena
@@ -66,6 +68,10 @@ def step(out: str, split: str | None) -> None:
     if env.world_size > 1:
         arena, _ = make_arena(os.environ.get("LOCAL_COMM", "gloo"), env.rank, env.world_size, env.device, model)
     opt = build_optimizer(model, cfg, env.rank, env.world_size, torch.float32, arena)
+    private_grads = os.environ.get("PRIVATE_GRADS") == "1"
+    if private_grads:  # as a compiled model's: every gradient is autograd's own, copied over
+        for p in model.parameters():
+            set_grad_target(p, None)
     # Adam's eps=1e-10 turns gradients of ~1e-12 (summed in another order on N ranks) into
     # full-size steps of either sign; a larger eps keeps the comparison about the sharding.
     for g in opt.groups:
@@ -89,7 +95,7 @@ def step(out: str, split: str | None) -> None:
         else:
             loss = model(mine[:, :-1], mine[:, 1:])
             (loss * sizes[env.rank] / GLOBAL_ROWS).backward()
-        if opt.arena is not None:
+        if opt.arena is not None and not private_grads:
             assert_gradients_written_into_shared_memory(model, opt)
         for name, p in model.named_parameters():
             if step_index == 1 and name in os.environ.get("NO_GRAD", "").split(","):
@@ -105,13 +111,15 @@ def step(out: str, split: str | None) -> None:
 
 
 def assert_gradients_written_into_shared_memory(model: GPT, opt) -> None:
-    """The LM head's and the blocks' matrices' gradients are the shared buffer itself (written by
-    the loss and by the blocks' linear layers), not private tensors copied over."""
-    shared = {g.grad_all.untyped_storage().data_ptr() for g in opt.groups if g.grad_all is not None}
+    """The LM head's and the blocks' matrices' gradients are each one's own place in this rank's
+    shared buffer (written there by the loss and by the blocks' linear layers), not private
+    tensors copied over."""
+    places = {id(p): view for g in opt.groups if not g.sparse_rows
+              for p, view in zip(g.params, g.grad_views, strict=True)}
     weights = [("lm_head.weight", model.lm_head.weight)] + [
         (n, p) for n, p in model.blocks.named_parameters() if p.dim() == 2]
-    private = [n for n, p in weights if p.grad is None or p.grad.untyped_storage().data_ptr() not in shared]
-    assert len(weights) > 10 and not private, f"gradients outside shared memory: {private}"
+    private = [n for n, p in weights if p.grad is None or p.grad.data_ptr() != places[id(p)].data_ptr()]
+    assert len(weights) > 10 and not private, f"gradients outside their place in shared memory: {private}"
 
 
 def diverge() -> None:

@@ -28,13 +28,15 @@ def shm_files() -> set[str]:
     return {p.name for p in Path("/dev/shm").glob("nanochat-*")}
 
 
-@pytest.mark.parametrize("local_comm", ["gloo", "shm"])
+@pytest.mark.parametrize("local_comm", ["gloo", "shm", "shm-private-grads"])
 @pytest.mark.parametrize("world", [2, 3])
 def test_n_rank_step_equals_one_rank_step(world, local_comm, reference, tmp_path):
-    """Through Gloo, and with the ranks' buffers in shared memory (one host): the 1-rank step."""
+    """Through Gloo, and with the ranks' buffers in shared memory (one host), the backward writing
+    into them or (private-grads, as a compiled model's) its gradients copied in: the 1-rank step."""
     out = tmp_path / "params.pt"
     before = shm_files()
-    proc = run_torchrun(world, [WORKER, "step", str(out)], env_extra={"LOCAL_COMM": local_comm})
+    env = {"LOCAL_COMM": local_comm.split("-")[0], "PRIVATE_GRADS": "1" if "private" in local_comm else ""}
+    proc = run_torchrun(world, [WORKER, "step", str(out)], env_extra=env)
     assert shm_files() <= before, "the run left its shared-memory files behind"
     assert proc.returncode == 0, proc.stdout + proc.stderr
     got = torch.load(out)

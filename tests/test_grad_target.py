@@ -44,6 +44,38 @@ def test_loss_writes_the_heads_gradient_into_the_target_with_zero_padding_rows()
     assert (target[vocab:] == 0).all()
 
 
-def test_a_target_that_does_not_fit_the_parameter_is_refused():
-    with pytest.raises(ValueError, match=r"\(3, 4\).*does not fit a parameter \(4, 3\)"):
-        set_grad_target(torch.zeros(4, 3), torch.zeros(3, 4))
+def test_a_weight_used_twice_in_one_backward_gets_the_sum_of_both_gradients():
+    """The second use must not write over the first one's gradient in the target."""
+    gen = torch.Generator().manual_seed(2)
+    weight = torch.nn.Parameter(torch.randn(5, 4, generator=gen))
+    reference = torch.nn.Parameter(weight.detach().clone())
+    set_grad_target(weight, torch.zeros(5, 4))
+    a, b = torch.randn(3, 4, generator=gen), torch.randn(2, 4, generator=gen)
+    (linear(a, weight).sum() + linear(b, weight).square().sum()).backward()
+    (F.linear(a, reference).sum() + F.linear(b, reference).square().sum()).backward()
+    torch.testing.assert_close(weight.grad, reference.grad)
+
+
+def test_strided_inputs_frozen_inputs_and_autocast_give_autograds_gradients():
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.nn.Parameter(torch.randn(3, 4, generator=gen))
+    reference = torch.nn.Parameter(weight.detach().clone())
+    set_grad_target(weight, torch.zeros(3, 4))
+    x = torch.randn(2, 5, 8, generator=gen)[..., :4]  # a strided slice, no gradient of its own
+    linear(x, weight).square().sum().backward()
+    F.linear(x, reference).square().sum().backward()
+    torch.testing.assert_close(weight.grad, reference.grad)
+    weight.grad = reference.grad = None
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # F.linear's own path: autocast casts it
+        linear(x, weight).float().square().sum().backward()
+        F.linear(x, reference).float().square().sum().backward()
+    torch.testing.assert_close(weight.grad, reference.grad)
+
+
+@pytest.mark.parametrize(("target", "why"), [(torch.zeros(3, 4), r"\(3, 4\) torch.float32 on cpu"),
+                                             (torch.zeros(4, 3, dtype=torch.float64), "float64"),
+                                             (torch.zeros(3, 4).t(), r"contiguous: False"),
+                                             (torch.zeros(4, 3, device="meta"), "on meta")])
+def test_a_target_that_does_not_fit_the_parameter_is_refused(target, why):
+    with pytest.raises(ValueError, match=why + r".*does not fit a parameter \(4, 3\) torch.float32 on cpu"):
+        set_grad_target(torch.zeros(4, 3), target)
