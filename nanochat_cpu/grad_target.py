@@ -11,12 +11,14 @@ for the blocks' matrices, and the LM head's loss (`loss.py`). Autograd then adop
 `.grad` as it is: AccumulateGrad keeps a fresh gradient that nothing else references instead of
 copying it, and `grad_target` hands out a new view each time so that nothing does.
 
-A target is handed out only for a parameter's first gradient of a step (its .grad is still None)
-and only once per backward pass: with gradient accumulation autograd adds the later micro-steps
-into .grad as usual, and a weight used twice in one graph gets its second gradient in a fresh
-tensor (the two must be added up, not written over each other). Gradients meant for anything but
-.grad (`torch.autograd.grad`) would land in the shared buffer too: the optimizer's parameters
-are for `.backward()` only.
+A target is handed out once, for a parameter's first gradient (its .grad is still None), and
+then not again until the optimizer releases it for the next step (`release_grad_target`, from
+its zero_grad). Every other gradient goes to a fresh tensor that autograd adds into .grad as
+usual: the later micro-steps of gradient accumulation, and the other uses of a weight used twice
+in one graph, or in a nested (reentrant checkpoint) or concurrent backward, whose gradients must
+be added up, not written over each other. Gradients meant for anything but .grad
+(`torch.autograd.grad`) would land in the shared buffer too: the optimizer's parameters are for
+`.backward()` only.
 """
 
 from __future__ import annotations
@@ -35,19 +37,22 @@ def set_grad_target(param: torch.Tensor, target: torch.Tensor | None) -> None:
         raise ValueError(f"gradient target {tuple(target.shape)} {target.dtype} on {target.device} "
                          f"(contiguous: {target.is_contiguous()}) does not fit a parameter "
                          f"{tuple(param.shape)} {param.dtype} on {param.device}")
-    setattr(param, _ATTRIBUTE, (target, None))
+    setattr(param, _ATTRIBUTE, (target, False))
+
+
+def release_grad_target(param: torch.Tensor) -> None:
+    """Let the next backward write into `param`'s target again (call with its .grad set to None)."""
+    target, _ = getattr(param, _ATTRIBUTE, (None, False))
+    if target is not None:
+        setattr(param, _ATTRIBUTE, (target, False))
 
 
 def grad_target(param: torch.Tensor) -> torch.Tensor | None:
-    """A fresh view of `param`'s target if its gradient should be written there now, else None.
-    Called from a backward: the pass's id marks the target as taken for the rest of the pass."""
-    target, taken_in = getattr(param, _ATTRIBUTE, (None, None))
-    if target is None or param.grad is not None:
+    """A fresh view of `param`'s target if its gradient should be written there now, else None."""
+    target, taken = getattr(param, _ATTRIBUTE, (None, False))
+    if target is None or taken or param.grad is not None:
         return None
-    this_pass = torch._C._current_graph_task_id()
-    if taken_in == this_pass:
-        return None
-    setattr(param, _ATTRIBUTE, (target, this_pass))
+    setattr(param, _ATTRIBUTE, (target, True))
     return target.view(target.shape)
 
 
@@ -78,7 +83,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     ones: under autocast `_Linear`'s backward would get a bf16 gradient for an fp32 weight and
     have to redo autocast's casts itself. Their gradients are copied into the buffer instead.
     """
-    if (getattr(weight, _ATTRIBUTE, (None, None))[0] is None or torch.compiler.is_compiling()
+    if (getattr(weight, _ATTRIBUTE, (None, False))[0] is None or torch.compiler.is_compiling()
             or torch.is_autocast_enabled(x.device.type)):
         return F.linear(x, weight)
     return _Linear.apply(x, weight)

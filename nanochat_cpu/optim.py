@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .grad_target import set_grad_target
+from .grad_target import release_grad_target, set_grad_target
 from .perf import sync
 from .shm import SharedArena
 
@@ -532,6 +532,7 @@ class MuonAdamW:
             if g.grad_buf is None or self.arena is not None:
                 for p in g.params:
                     p.grad = None
+                    release_grad_target(p)
                 continue
             g.grad_buf.zero_()
             for p, grad in zip(g.params, g.grad_views, strict=True):

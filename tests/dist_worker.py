@@ -95,8 +95,8 @@ def step(out: str, split: str | None) -> None:
         else:
             loss = model(mine[:, :-1], mine[:, 1:])
             (loss * sizes[env.rank] / GLOBAL_ROWS).backward()
-        if opt.arena is not None and not private_grads:
-            assert_gradients_written_into_shared_memory(model, opt)
+        if opt.arena is not None:
+            assert_gradients_written_into_shared_memory(model, opt, expected=not private_grads)
         for name, p in model.named_parameters():
             if step_index == 1 and name in os.environ.get("NO_GRAD", "").split(","):
                 p.grad = torch.zeros_like(p) if os.environ.get("NO_GRAD_AS") == "zeros" else None
@@ -110,16 +110,20 @@ def step(out: str, split: str | None) -> None:
         dist.destroy_process_group()
 
 
-def assert_gradients_written_into_shared_memory(model: GPT, opt) -> None:
+def assert_gradients_written_into_shared_memory(model: GPT, opt, expected: bool) -> None:
     """The LM head's and the blocks' matrices' gradients are each one's own place in this rank's
     shared buffer (written there by the loss and by the blocks' linear layers), not private
-    tensors copied over."""
+    tensors copied over; or, not `expected`, all of them private."""
     places = {id(p): view for g in opt.groups if not g.sparse_rows
               for p, view in zip(g.params, g.grad_views, strict=True)}
     weights = [("lm_head.weight", model.lm_head.weight)] + [
         (n, p) for n, p in model.blocks.named_parameters() if p.dim() == 2]
     private = [n for n, p in weights if p.grad is None or p.grad.data_ptr() != places[id(p)].data_ptr()]
-    assert len(weights) > 10 and not private, f"gradients outside their place in shared memory: {private}"
+    assert len(weights) > 10
+    if expected:
+        assert not private, f"gradients outside their place in shared memory: {private}"
+    else:
+        assert len(private) == len(weights), "gradients in shared memory although no target was set"
 
 
 def diverge() -> None:

@@ -7,8 +7,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nanochat_cpu.grad_target import linear, set_grad_target
+from nanochat_cpu.grad_target import linear, release_grad_target, set_grad_target
 from nanochat_cpu.loss import softcapped_cross_entropy
+from nanochat_cpu.optim import Group, MuonAdamW
 
 
 def test_linear_writes_its_weight_gradient_into_the_target_and_accumulates_there():
@@ -56,20 +57,66 @@ def test_a_weight_used_twice_in_one_backward_gets_the_sum_of_both_gradients():
     torch.testing.assert_close(weight.grad, reference.grad)
 
 
-def test_strided_inputs_frozen_inputs_and_autocast_give_autograds_gradients():
+def test_a_weight_used_inside_and_outside_a_reentrant_checkpoint_gets_the_sum():
+    """The checkpoint's nested backward is another pass while the outer one still holds the target."""
+    gen = torch.Generator().manual_seed(4)
+    weight = torch.nn.Parameter(torch.randn(4, 4, generator=gen))
+    reference = torch.nn.Parameter(weight.detach().clone())
+    set_grad_target(weight, torch.zeros(4, 4))
+    x = torch.randn(3, 4, generator=gen, requires_grad=True)
+
+    def model(w, use):
+        inner = torch.utils.checkpoint.checkpoint(lambda h: use(h, w).tanh(), use(x, w), use_reentrant=True)
+        return use(inner, w).square().sum()
+
+    model(weight, linear).backward()
+    model(reference, F.linear).backward()
+    torch.testing.assert_close(weight.grad, reference.grad)
+
+
+def test_the_target_is_written_again_only_after_the_optimizer_releases_it():
+    weight = torch.nn.Parameter(torch.randn(3, 4))
+    target = torch.zeros(3, 4)
+    set_grad_target(weight, target)
+    x = torch.randn(2, 4)
+    linear(x, weight).sum().backward()
+    assert weight.grad.data_ptr() == target.data_ptr()
+    weight.grad = None  # not released: this step's target is taken, the gradient goes elsewhere
+    linear(x, weight).sum().backward()
+    assert weight.grad.data_ptr() != target.data_ptr()
+    weight.grad = None
+    release_grad_target(weight)
+    linear(x, weight).sum().backward()
+    assert weight.grad.data_ptr() == target.data_ptr()
+
+
+def test_strided_inputs_without_gradient_and_autocast_give_autograds_gradients():
     gen = torch.Generator().manual_seed(3)
     weight = torch.nn.Parameter(torch.randn(3, 4, generator=gen))
     reference = torch.nn.Parameter(weight.detach().clone())
-    set_grad_target(weight, torch.zeros(3, 4))
-    x = torch.randn(2, 5, 8, generator=gen)[..., :4]  # a strided slice, no gradient of its own
+    target = torch.zeros(3, 4)
+    set_grad_target(weight, target)
+    x = torch.randn(5, 2, 4, generator=gen).transpose(0, 1)  # (2, 5, 4) that no view flattens
     linear(x, weight).square().sum().backward()
     F.linear(x, reference).square().sum().backward()
+    assert weight.grad.data_ptr() == target.data_ptr()
     torch.testing.assert_close(weight.grad, reference.grad)
     weight.grad = reference.grad = None
+    release_grad_target(weight)
     with torch.autocast("cpu", dtype=torch.bfloat16):  # F.linear's own path: autocast casts it
         linear(x, weight).float().square().sum().backward()
         F.linear(x, reference).float().square().sum().backward()
     torch.testing.assert_close(weight.grad, reference.grad)
+
+
+def test_an_optimizer_takes_away_targets_it_did_not_set():
+    """A target left by an earlier optimizer (its shared buffer) must not receive gradients."""
+    weight = torch.nn.Parameter(torch.randn(3, 4))
+    stale = torch.zeros(3, 4)
+    set_grad_target(weight, stale)
+    MuonAdamW([Group("adamw", "w", [weight], lr=0.1)])
+    linear(torch.randn(2, 4), weight).sum().backward()
+    assert weight.grad.data_ptr() != stale.data_ptr() and (stale == 0).all()
 
 
 @pytest.mark.parametrize(("target", "why"), [(torch.zeros(3, 4), r"\(3, 4\) torch.float32 on cpu"),
