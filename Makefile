@@ -71,7 +71,7 @@ lint: venv
 	yamllint -s .
 	ansible-lint
 
-test: pytest molecule
+test: root host pytest molecule  # host first: pytest's corpus test needs the fortunes package
 
 pytest: venv
 	pytest

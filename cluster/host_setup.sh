@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # Idempotent host set-up for the local podman cluster (Debian 12+/Ubuntu 24.04+, run as root).
 #
-#  * installs podman, runc, netavark, aardvark-dns, debootstrap, iproute2 when missing;
+#  * installs podman, runc, netavark, aardvark-dns, iptables, debootstrap, iproute2 when missing,
+#    and fortunes (the demo corpus the controller builds: real English text, offline);
+#    iptables because Debian 12's netavark sets up the bridge with it but does not depend on it:
+#    without it every container start fails with "netavark: No such file or directory";
 #  * writes /etc/containers/containers.conf.d/50-nanochat.conf:
 #      runtime = "runc"      crun refuses some kernels' hybrid (v1+v2) cgroup layouts
 #      default_ulimits = []  podman otherwise sets RLIMIT_NOFILE, which needs CAP_SYS_RESOURCE
@@ -17,7 +20,7 @@ if [[ $(id -u) -ne 0 ]]; then
     exit 1
 fi
 
-PACKAGES=(podman runc netavark aardvark-dns debootstrap iproute2)
+PACKAGES=(podman runc netavark aardvark-dns iptables debootstrap iproute2 fortunes)
 missing=()
 for p in "${PACKAGES[@]}"; do
     if dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed$'; then
