@@ -85,8 +85,8 @@ class TrainConfig:
     local_comm: str = field(
         default="auto",
         metadata={"choices": ("auto", "shm", "gloo"),
-                  "help": "ranks all on one host: share parameters and gradients in /dev/shm instead of sending "
-                          "them through Gloo (auto: where possible)"},
+                  "help": "ranks all on one host: share parameters, gradients and optimizer state in /dev/shm "
+                          "instead of sending them through Gloo (auto: where possible)"},
     )
     # evaluation, logging, checkpoints
     eval_every: int = field(default=100, metadata={"help": "steps between val bpb evaluations (0 = only at end)"})

@@ -47,6 +47,14 @@ def release_grad_target(param: torch.Tensor) -> None:
         setattr(param, _ATTRIBUTE, (target, False))
 
 
+def clear_gradients(params) -> None:
+    """.grad = None and the targets released: the next backward writes each gradient afresh into
+    its target (zeroing the gradients and letting autograd add into them would be 4 passes)."""
+    for p in params:
+        p.grad = None
+        release_grad_target(p)
+
+
 def grad_target(param: torch.Tensor) -> torch.Tensor | None:
     """A fresh view of `param`'s target if its gradient should be written there now, else None."""
     target, taken = getattr(param, _ATTRIBUTE, (None, False))

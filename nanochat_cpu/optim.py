@@ -26,14 +26,18 @@ Where the bytes go (the wire is the bottleneck between a workstation and a lapto
   backward pass (`sync_in_backward`), as soon as the group's last gradient is complete, so the
   LM head's communication overlaps the backward pass of the blocks below it.
 
-With every rank on one host (`shm.SharedArena`), the parameters and every rank's gradients live in
-shared memory instead: each rank sums its slice from the others' gradient buffers and updates its
-slice of the one parameter copy in place; two barriers per step replace the collectives. What
-crosses between processes is kept to what the owner needs:
+With every rank on one host (`shm.SharedArena`), the parameters, every rank's gradients and the
+optimizer state live in shared memory instead, and there is no fixed owner: the step is a queue
+of work units (a matrix, or a run of rows or elements) that any rank takes as soon as the unit's
+gradients are complete on every rank (`_step_shared`). Ranks of one machine never finish their
+backward together (one rank's pass varies by 20-40% from step to step on a shared VM), so the one
+that finishes first works on the LM head and the last layers, whose gradients are final, while
+the other is still in its backward; one barrier ends the step. What crosses between processes:
 - dense groups: the backward writes each weight gradient straight into the rank's shared buffer
   (grad_target.py; a compiled or autocast model's block gradients, and the scalars', are copied
-  in), and the owner adds the others' parts into its own part in place;
-- embedding tables: ranks flag the rows they touched, and the owner adds up only those rows.
+  in), and whoever takes a unit sums its part of every rank's buffer;
+- embedding tables: ranks flag the rows they touched, and a unit adds up only those rows.
+The checkpoint keeps per-rank shards: each rank saves its static slice of the shared state.
 
 Collectives are completed with `Work.wait()`, never `Work.get_future()`, which Gloo does not
 implement for reduce-scatter.
@@ -48,10 +52,11 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
-from .grad_target import release_grad_target, set_grad_target
+from .grad_target import clear_gradients, set_grad_target
 from .perf import sync
 from .shm import SharedArena
 
@@ -97,20 +102,23 @@ class Group:
     weight_decay: float = 0.0
     sparse_rows: bool = False  # embedding tables: only the rows of tokens seen get gradients
     lr_multiplier: float = 1.0  # set by the schedule each step
-    # sharding bookkeeping, filled in by the optimizer. A unit is one element (dense AdamW),
-    # one table row (sparse AdamW) or one matrix (Muon); each rank owns `shard` units.
+    # sharding bookkeeping, filled in by the optimizer. An item is one element (dense AdamW), one
+    # table row (sparse AdamW) or one matrix (Muon); each rank owns `shard` items (in shared
+    # memory: checkpoints `shard` items of the state; the work goes to whoever takes it first).
     numel: int = 0
     shard: int = 0
     state: dict[str, torch.Tensor] = field(default_factory=dict)
     # N ranks: persistent buffers of shape (shard x world, *unit); parameters and grads are views
     # (in shared memory a dense group's .grad is the view only where the backward wrote it there
-    # itself, grad_target.py; otherwise it is autograd's own tensor, copied over by _publish_dense)
+    # itself, grad_target.py; otherwise it is autograd's own tensor, copied over by _grad_final_hook
+    # or _publish_rest)
     param_buf: torch.Tensor | None = None
     grad_buf: torch.Tensor | None = None
     grad_all: torch.Tensor | None = None  # shared memory: every rank's grad_buf, (world, ...)
     grad_views: list[torch.Tensor] = field(default_factory=list)  # each parameter's place in grad_buf
     offsets: list[int] = field(default_factory=list)  # each parameter's first element in the buffers
-    grad_slice: torch.Tensor | None = None  # the summed gradient of the owned units (not shared dense)
+    # the summed gradient of the owned items; shared memory: of one work unit of a table
+    grad_slice: torch.Tensor | None = None
     master: torch.Tensor | None = None  # the owned units' values, updated, then all-gathered
     update_buf: torch.Tensor | None = None  # every rank's rounded update (--param-comm-dtype bfloat16)
     recv_buf: torch.Tensor | None = None  # every rank's gradient of the owned slice, before the sum
@@ -118,11 +126,31 @@ class Group:
     # sparse_rows groups: per parameter, the row ids its gradient received since the last
     # zero_grad (None: a dense gradient arrived, every row may be dirty)
     touched: list[list[torch.Tensor] | None] = field(default_factory=list)
+    # shared memory: the whole optimizer state, every rank's (state holds this rank's static slice
+    # of it, which is what it checkpoints)
+    shared_state: dict[str, torch.Tensor] = field(default_factory=dict)
     # shared memory, sparse_rows groups: which rows each rank's gradient has, (world, rows) flags,
-    # and the rows of grad_slice the last step wrote (None: all of them)
+    # and the rows of grad_slice the last unit wrote (None: all of them)
     row_marks: torch.Tensor | None = None
     slice_rows: torch.Tensor | None = None
     pending: list = field(default_factory=list)  # in-flight collectives of this step
+
+
+@dataclass
+class WorkUnit:
+    """A piece of the shared-memory step that whichever rank gets to it first does: one matrix of
+    a Muon group, or a run of rows (tables) or elements of an AdamW group, [lo, hi) in the group's
+    items. `gate`: the parameters (indices into MuonAdamW.params) whose gradients it sums."""
+    group: Group
+    lo: int
+    hi: int
+    gate: list[int]
+
+
+# AdamW work units hold about this many elements: ~1 MiB of each tensor, a fraction of a
+# millisecond, so the last units leave the ranks' finishing times that close
+UNIT_ELEMENTS = 1 << 18
+POLL_SECONDS = 2e-4  # a rank with nothing ready to do looks again this often
 
 
 class MuonAdamW:
@@ -142,9 +170,14 @@ class MuonAdamW:
         self.arena = arena
         self.step_count = 0
         self.last_comm_wait = 0.0  # seconds the last step spent blocked on communication
-        # Set by the trainer around the last micro-step's backward: dense groups then start
-        # their reduce-scatter from gradient hooks. Left False, step() starts everything.
+        # Set by the trainer around the last micro-step's backward: dense groups then start their
+        # reduce-scatter from gradient hooks, or (shared memory) other ranks may update a parameter
+        # as soon as its gradient is complete. So its gradients must be final when accumulated and
+        # left as they are until step() (no clipping in between). Left False, step() starts everything.
         self.sync_in_backward = False
+        self.params = [p for g in groups for p in g.params]
+        self.param_index = {id(p): i for i, p in enumerate(self.params)}
+        self.last_units_run = 0  # shared memory: how many work units this rank did in the last step
         for g in groups:
             if g.kind == "muon":
                 shapes = {tuple(p.shape) for p in g.params}
@@ -164,16 +197,17 @@ class MuonAdamW:
             if g.sparse_rows:
                 self._track_rows(g)
         if self.arena is not None:
+            self._make_work_queue()
             dist.barrier()  # every rank points at the shared copy before anyone trains on it
 
     # ---- buffers: parameters and gradients as views of one flat tensor per group ------------
 
-    def _unit(self, g: Group) -> tuple[int, ...]:
+    def _item_shape(self, g: Group) -> tuple[int, ...]:
         p0 = g.params[0]
         return tuple(p0.shape) if g.kind == "muon" else tuple(p0.shape[1:]) if g.sparse_rows else ()
 
     def _make_buffers(self, g: Group) -> None:
-        p0, unit = g.params[0], self._unit(g)
+        p0, unit = g.params[0], self._item_shape(g)
         shape = (g.shard * self.world_size, *unit)
         if self.arena is not None:
             g.param_buf = self.arena.tensor(f"{g.name}.param", shape, p0.dtype)
@@ -196,17 +230,83 @@ class MuonAdamW:
             g.grad_views.append(grad)
             g.offsets.append(offset)
             offset += n
-            if not g.sparse_rows and self.arena is None:
+            if g.sparse_rows:
+                continue
+            if self.arena is None:
                 p.register_post_accumulate_grad_hook(self._grad_ready_hook(g))
+            else:
+                p.register_post_accumulate_grad_hook(self._grad_final_hook(grad))
         if self.arena is not None:  # the shared buffers are all a step needs (_step_shared)
-            if g.sparse_rows:  # and a slice to add up the touched rows in
+            self._make_shared_state(g, shape)
+            if g.sparse_rows:  # and one work unit's rows to add up the touched ones in
                 g.row_marks = self.arena.tensor(f"{g.name}.rows", (self.world_size, shape[0]), torch.bool)
-                g.grad_slice = torch.zeros((g.shard, *unit), dtype=p0.dtype, device=p0.device)
+                g.grad_slice = torch.zeros((self._unit_items(g), *unit), dtype=p0.dtype, device=p0.device)
             return
         g.grad_slice = torch.zeros((g.shard, *unit), dtype=p0.dtype, device=p0.device)
         g.master = torch.zeros_like(g.grad_slice)
         if self.param_comm_dtype != p0.dtype:
             g.update_buf = torch.zeros(shape, dtype=self.param_comm_dtype, device=p0.device)
+
+    def _unit_items(self, g: Group) -> int:
+        """How many items (rows, elements) an AdamW work unit holds."""
+        return max(1, UNIT_ELEMENTS // math.prod(self._item_shape(g)))
+
+    def _make_shared_state(self, g: Group, shape: tuple[int, ...]) -> None:
+        """The optimizer state in shared memory, since any rank may update any unit; `state` keeps
+        this rank's static slice of it, under the names and shapes the Gloo path checkpoints."""
+        names = ["momentum"] if g.kind == "muon" else ["exp_avg", "exp_avg_sq"]
+        g.shared_state = {n: self.arena.tensor(f"{g.name}.{n}", shape, g.params[0].dtype) for n in names}
+        mine = {n: t[self.rank * g.shard: (self.rank + 1) * g.shard] for n, t in g.shared_state.items()}
+        if g.kind == "muon":
+            g.state["momentum"] = mine["momentum"]
+        else:
+            self._adamw_state(g, [mine["exp_avg"]], [(mine["exp_avg"], mine["exp_avg_sq"])])
+
+    def _make_work_queue(self) -> None:
+        """The step's work units, largest first (a rank takes the first one that is ready, so the
+        small ones are left to even out the end), and the shared tables that hand them out:
+        ready_at[rank, parameter] and claimed[unit] hold the step number they were last set in."""
+        units = []
+        for g in self.groups:
+            if g.kind == "muon":
+                units += [WorkUnit(g, i, i + 1, [self.param_index[id(g.params[i])]]) for i in range(g.numel)]
+                continue
+            per_unit = math.prod(self._item_shape(g))
+            size = self._unit_items(g)
+            for lo in range(0, g.numel, size):
+                hi = min(lo + size, g.numel)
+                gate = [self.param_index[id(p)] for p, start in zip(g.params, g.offsets, strict=True)
+                        if start < hi * per_unit and lo * per_unit < start + p.numel()]
+                units.append(WorkUnit(g, lo, hi, gate))
+        # the orthogonalisations first: they are the big ones
+        units.sort(key=lambda u: (u.group.kind != "muon", -(u.hi - u.lo) * math.prod(self._item_shape(u.group))))
+        self.units = units
+        self.gates = np.zeros((len(units), len(self.params)), dtype=bool)
+        for i, u in enumerate(units):
+            self.gates[i, u.gate] = True
+        self.ready_at = self.arena.tensor("ready", (self.world_size, len(self.params)), torch.int64).numpy()
+        self.claimed = self.arena.tensor("claimed", (len(units),), torch.int64).numpy()
+        self.lock = self.arena.lock("queue")
+        largest = max((u.hi - u.lo) * math.prod(self._item_shape(u.group)) for u in units if not u.group.sparse_rows)
+        self.scratch = torch.zeros(largest, dtype=self.params[0].dtype, device=self.device)
+
+    def _grad_final_hook(self, view: torch.Tensor):
+        """Shared memory: once the last micro-step's gradient of a parameter is complete, put it
+        in its place in the shared buffer (if the backward did not write it there itself) and tell
+        the other ranks, which may then work on it while this rank's backward goes on."""
+        def hook(p: torch.Tensor) -> None:
+            if not self.sync_in_backward:
+                return
+            i, stamp = self.param_index[id(p)], self.step_count + 1
+            if self.ready_at[self.rank, i] == stamp:  # other ranks may be updating the weight already
+                raise RuntimeError(
+                    f"a parameter {tuple(p.shape)} got a second gradient in the last micro-step's backward "
+                    f"(a reentrant checkpoint, or a second backward): with ranks sharing memory a gradient "
+                    f"must be final when it is first accumulated. Fix: --local-comm gloo")
+            self._publish_grad(p, view)
+            with self.lock:
+                self.ready_at[self.rank, i] = stamp
+        return hook
 
     def _track_rows(self, g: Group) -> None:
         """Embedding tables keep one dense gradient that the backward adds its rows into (the
@@ -251,7 +351,7 @@ class MuonAdamW:
 
     def _grads_into_buffer(self, g: Group) -> None:
         """Make every .grad the buffer's view again (a trainer may have set grads to None).
-        Not for shared-memory dense groups, which have gradient targets instead (_publish_dense)."""
+        Not for shared-memory dense groups, which have gradient targets instead (_grad_final_hook)."""
         for i, (p, grad) in enumerate(zip(g.params, g.grad_views, strict=True)):
             if p.grad is None:
                 grad.zero_()
@@ -328,15 +428,22 @@ class MuonAdamW:
 
     # ---- updates on the owned slice ----------------------------------------------------------
 
-    def _adamw(self, g: Group, params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
-        """AdamW on a list of tensors (the owned slice with N ranks, the parameters with 1)."""
+    @staticmethod
+    def _adamw_state(g: Group, params: list[torch.Tensor],
+                     keep_in: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The moments of a list of tensors (the owned slice with N ranks, the parameters with 1),
+        made on first use as zeros, or `keep_in` the given (first, second moment) tensors."""
         if "exp_avg" not in g.state:
             for i, p in enumerate(params):
-                g.state[f"exp_avg.{i}"] = torch.zeros_like(p)
-                g.state[f"exp_avg_sq.{i}"] = torch.zeros_like(p)
+                m, v = keep_in[i] if keep_in else (torch.zeros_like(p), torch.zeros_like(p))
+                g.state[f"exp_avg.{i}"], g.state[f"exp_avg_sq.{i}"] = m, v
             g.state["exp_avg"] = torch.zeros(0)  # marker: state initialised
-        m = [g.state[f"exp_avg.{i}"] for i in range(len(params))]
-        v = [g.state[f"exp_avg_sq.{i}"] for i in range(len(params))]
+        return ([g.state[f"exp_avg.{i}"] for i in range(len(params))],
+                [g.state[f"exp_avg_sq.{i}"] for i in range(len(params))])
+
+    def _adamw(self, g: Group, params: list[torch.Tensor], grads: list[torch.Tensor],
+               m: list[torch.Tensor], v: list[torch.Tensor]) -> None:
         b1, b2 = g.betas
         lr = g.lr * g.lr_multiplier
         # one fused, vectorised pass over memory (the embeddings dominate the optimizer's bytes)
@@ -345,23 +452,18 @@ class MuonAdamW:
         torch._fused_adamw_(params, grads, m, v, [], steps, lr=lr, beta1=b1, beta2=b2,
                             weight_decay=g.weight_decay, eps=g.eps, amsgrad=False, maximize=False)
 
-    def _muon(self, g: Group, params: torch.Tensor | list[torch.Tensor], grads: torch.Tensor, owned: int) -> None:
-        """Momentum, orthogonalisation and update of the first `owned` stacked matrices.
+    def _muon(self, g: Group, params: torch.Tensor | list[torch.Tensor], grads: torch.Tensor,
+              mom: torch.Tensor) -> None:
+        """Momentum, orthogonalisation and update of stacked matrices (`grads` is overwritten).
 
-        `params` is the stacked slice (N ranks) or the list of parameters (1 rank); rows past
-        `owned` are padding and are left alone.
+        `params` is a stacked slice (N ranks) or the list of parameters (1 rank).
         """
-        if owned <= 0:
-            return
-        if "momentum" not in g.state:
-            g.state["momentum"] = torch.zeros_like(grads)
-        grad, mom = grads[:owned], g.state["momentum"][:owned]
-        mom.lerp_(grad, 1 - g.momentum)
-        update = orthogonalize(grad.lerp_(mom, g.momentum), self.muon_dtype)  # Nesterov
+        mom.lerp_(grads, 1 - g.momentum)
+        update = orthogonalize(grads.lerp_(mom, g.momentum), self.muon_dtype)  # Nesterov
         rows, cols = grads.shape[-2:]
         lr = g.lr * g.lr_multiplier * max(1.0, rows / cols) ** 0.5
         # one stacked update (N ranks) or one per parameter (1 rank)
-        pairs = [(params[:owned], update)] if isinstance(params, torch.Tensor) else zip(params, update, strict=True)
+        pairs = [(params, update)] if isinstance(params, torch.Tensor) else zip(params, update, strict=True)
         for p, u in pairs:
             if g.weight_decay:
                 p.mul_(1 - lr * g.weight_decay)
@@ -381,12 +483,14 @@ class MuonAdamW:
             for g in self.groups:
                 if g.sparse_rows:
                     self._grads_into_buffer(g)
+                params = [p.data for p in g.params]
                 if g.kind == "adamw":
                     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params]
-                    self._adamw(g, [p.data for p in g.params], grads)
+                    self._adamw(g, params, grads, *self._adamw_state(g, params))
                     continue
                 grads = torch.stack([p.grad if p.grad is not None else torch.zeros_like(p) for p in g.params])
-                self._muon(g, [p.data for p in g.params], grads, len(g.params))
+                mom = g.state.setdefault("momentum", torch.zeros_like(grads))
+                self._muon(g, params, grads, mom)
             return
         if self.arena is not None:
             self._step_shared()
@@ -403,9 +507,12 @@ class MuonAdamW:
             owned = g.param_buf[lo: lo + g.shard]
             g.master.copy_(owned)
             if g.kind == "muon":
-                self._muon(g, g.master, g.grad_slice, self._owned_units(g))
+                n = self._owned_units(g)  # matrices past the last are padding: left alone
+                if n > 0:
+                    mom = g.state.setdefault("momentum", torch.zeros_like(g.grad_slice))
+                    self._muon(g, g.master[:n], g.grad_slice[:n], mom[:n])
             else:  # padding past the last parameter has zero gradient, so Adam keeps it at zero
-                self._adamw(g, [g.master], [g.grad_slice])
+                self._adamw(g, [g.master], [g.grad_slice], *self._adamw_state(g, [g.master]))
             if g.update_buf is None:
                 gathers.append((g, all_gather(g.param_buf, g.master, async_op=True)))
             else:
@@ -422,93 +529,111 @@ class MuonAdamW:
         self.last_comm_wait += time.perf_counter() - t0
 
     def _step_shared(self) -> None:
-        """The N-rank step on one host: parameters live in shared memory, and each rank's
-        shared gradient buffer holds its gradients (the owned part becomes the owner's sum)."""
+        """The N-rank step on one host. The parameters, every rank's gradients and the optimizer
+        state live in shared memory, so any rank can update any part: the step is a queue of work
+        units (one matrix, or a run of rows or elements) that the ranks take from as the units'
+        gradients become complete on every rank. A rank whose backward finished early starts on the
+        LM head and the last layers while a slower one is still in its backward (their gradients
+        are final: _grad_final_hook), instead of waiting for it at a barrier."""
+        stamp = self.step_count
+        self.last_units_run = 0
+        self._publish_rest(stamp)
+        while True:
+            unit = self._claim(stamp)
+            if unit is None:
+                break
+            if unit < 0:  # every unit left waits for a gradient still being computed
+                t0 = time.perf_counter()
+                time.sleep(POLL_SECONDS)
+                self.last_comm_wait += time.perf_counter() - t0
+                continue
+            self._run_unit(self.units[unit])
+            self.last_units_run += 1
+        # every unit done and every gradient read: the parameters may be used, the gradient
+        # buffers written again. Until then no rank reads a parameter (the forward) or a moment
+        # (a checkpoint) that another may still be updating.
+        self._barrier()
+
+    def _publish_rest(self, stamp: int) -> None:
+        """Everything the gradient hooks did not make available: the tables' rows (flagged for the
+        units that sum them), dense gradients of a step without sync_in_backward, and parameters
+        without a gradient (zero). Then every parameter of this rank is ready."""
+        mine = self.ready_at[self.rank]
         for g in self.groups:
-            if g.sparse_rows:  # the backward added the rows in already: tell the owners which
+            if g.sparse_rows:  # the backward added the rows in already: tell the units which
                 self._grads_into_buffer(g)
                 ids, marks = self._dirty_rows(g), g.row_marks[self.rank]
                 if ids is None:
                     marks.fill_(True)
                 else:
                     marks.index_fill_(0, ids, True)
-            else:
-                self._publish_dense(g)
-        self._barrier()  # every rank's gradients are complete
-        for g in self.groups:
-            lo = self.rank * g.shard
-            grad = self._sum_shared_rows(g, lo) if g.sparse_rows else self._sum_shared_dense(g)
-            owned = g.param_buf[lo: lo + g.shard]  # no other rank reads or writes it until the barrier
-            if g.kind == "muon":
-                self._muon(g, owned, grad, self._owned_units(g))
-            else:
-                self._adamw(g, [owned], [grad])
-        self._barrier()  # every slice updated and every gradient read: the next step may start
+                continue
+            for p, view in zip(g.params, g.grad_views, strict=True):
+                if mine[self.param_index[id(p)]] != stamp:
+                    self._publish_grad(p, view)
+        with self.lock:
+            mine[:] = stamp
 
-    def _owned_elements(self, g: Group) -> tuple[int, int]:
-        """[lo, hi) of this rank's slice in the group's flat buffers, in elements."""
-        per_unit = math.prod(self._unit(g))
-        return self.rank * g.shard * per_unit, (self.rank + 1) * g.shard * per_unit
+    def _claim(self, stamp: int) -> int | None:
+        """Take the first unit nobody has taken whose gradients are complete on every rank; -1 if
+        the units left all wait for some, None if none is left."""
+        with self.lock:
+            free = self.claimed != stamp
+            if not free.any():
+                return None
+            ready = (self.ready_at == stamp).all(axis=0)
+            can = free & ~(self.gates & ~ready).any(axis=1)
+            if not can.any():
+                return -1
+            unit = int(can.argmax())
+            self.claimed[unit] = stamp
+            return unit
+
+    def _run_unit(self, u: WorkUnit) -> None:
+        g = u.group
+        grad = self._sum_table_rows(u) if g.sparse_rows else self._sum_dense(u)
+        params = g.param_buf[u.lo: u.hi]
+        if g.kind == "muon":
+            self._muon(g, params, grad, g.shared_state["momentum"][u.lo: u.hi])
+        else:
+            self._adamw(g, [params], [grad], [g.shared_state["exp_avg"][u.lo: u.hi]],
+                        [g.shared_state["exp_avg_sq"][u.lo: u.hi]])
 
     @staticmethod
-    def _written_in_place(p: torch.Tensor, view: torch.Tensor) -> bool:
-        """Whether the backward wrote p's gradient into its place in the shared buffer itself."""
-        return p.grad is not None and p.grad.data_ptr() == view.data_ptr()
+    def _publish_grad(p: torch.Tensor, view: torch.Tensor) -> None:
+        """Put p's gradient at its place in the shared buffer, unless the backward wrote it there
+        itself (grad_target.py); no gradient counts as zero."""
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():
+            view.copy_(p.grad)
 
-    def _publish_dense(self, g: Group) -> None:
-        """Put the parts of this rank's gradients that other ranks own into its shared buffer.
-        Gradients the backward wrote there itself (grad_target.py) are in place already; others
-        (a compiled or autocast model's, the scalars') are copied, except the owned part, which
-        _sum_shared_dense reads where it is."""
-        lo, hi = self._owned_elements(g)
-        shared = g.grad_buf.view(-1)
-        for p, start, view in zip(g.params, g.offsets, g.grad_views, strict=True):
-            if self._written_in_place(p, view):
-                continue
-            end = start + p.numel()
-            for a, b in ((start, min(end, lo)), (max(start, hi), end)):  # before and after the owned part
-                if a < b:
-                    if p.grad is None:
-                        shared[a:b].zero_()
-                    else:
-                        shared[a:b].copy_(p.grad.reshape(-1)[a - start: b - start])
+    def _sum_dense(self, u: WorkUnit) -> torch.Tensor:
+        """The unit's gradient summed over ranks, in rank order whoever sums it (the same bits on
+        any rank), into this rank's private scratch: the shared buffers are only read."""
+        unit = self._item_shape(u.group)
+        a, b = u.lo * math.prod(unit), u.hi * math.prod(unit)
+        parts = [grads.view(-1)[a:b] for grads in u.group.grad_all]
+        out = self.scratch[: b - a]
+        torch.add(parts[0], parts[1], out=out)
+        for part in parts[2:]:
+            out.add_(part)
+        return out.view(u.hi - u.lo, *unit)
 
-    def _sum_shared_dense(self, g: Group) -> torch.Tensor:
-        """The owned slice's summed gradient, added up in this rank's own part of its shared
-        buffer: no other rank reads that part, and the next backward overwrites it. Padding past
-        the last parameter is zero in every buffer and stays so."""
-        lo, hi = self._owned_elements(g)
-        mine = g.grad_buf.view(-1)[lo:hi]
-        others = [g.grad_all[r].view(-1)[lo:hi] for r in range(self.world_size) if r != self.rank]
-        for p, start, view in zip(g.params, g.offsets, g.grad_views, strict=True):
-            a, b = max(start, lo), min(start + p.numel(), hi)
-            if a >= b:
-                continue
-            out, first_other = mine[a - lo: b - lo], others[0][a - lo: b - lo]
-            if self._written_in_place(p, view):
-                out.add_(first_other)
-            elif p.grad is None:
-                out.copy_(first_other)
-            else:  # a private gradient: one pass reads it and the first other rank's part
-                torch.add(p.grad.reshape(-1)[a - start: b - start], first_other, out=out)
-        for other in others[1:]:
-            mine.add_(other)
-        return mine.view(g.shard, *self._unit(g))
-
-    def _sum_shared_rows(self, g: Group, lo: int) -> torch.Tensor:
-        """The owned slice of a table's summed gradient, from only the rows some rank touched
-        (a few hundred of the table's tens of thousands); the other rows of grad_slice stay zero.
-        Out of place: each rank's shared buffer must keep only its own rows (zero_grad clears them)."""
-        ids = g.row_marks[:, lo: lo + g.shard].any(dim=0).nonzero().squeeze(1)
-        grad, rows = g.grad_slice, g.grad_all[:, lo: lo + g.shard]
-        if ids.numel() > g.shard // 4:  # many rows (a dense gradient flags all): whole slices are cheaper
+    def _sum_table_rows(self, u: WorkUnit) -> torch.Tensor:
+        """The unit's rows of a table's summed gradient, from only the rows some rank touched (a
+        few hundred of the table's tens of thousands); the other rows of grad_slice stay zero."""
+        g = u.group
+        ids = g.row_marks[:, u.lo: u.hi].any(dim=0).nonzero().squeeze(1)
+        grad, rows = g.grad_slice[: u.hi - u.lo], g.grad_all[:, u.lo: u.hi]
+        if ids.numel() > (u.hi - u.lo) // 4:  # many rows (a dense gradient flags all): whole runs are cheaper
             torch.sum(rows, dim=0, out=grad)
             g.slice_rows = None
             return grad
         if g.slice_rows is None:
-            grad.zero_()
+            g.grad_slice.zero_()
         else:
-            grad.index_fill_(0, g.slice_rows, 0)  # the rows the last step wrote
+            g.grad_slice.index_fill_(0, g.slice_rows, 0)  # the rows the last unit wrote
         summed = rows[0].index_select(0, ids)
         for r in range(1, self.world_size):
             summed.add_(rows[r].index_select(0, ids))
@@ -523,16 +648,11 @@ class MuonAdamW:
             g.ready = 0
             if g.sparse_rows:
                 self._clear_rows(g)
-                if g.row_marks is not None:  # every owner has read them (the step's last barrier)
+                if g.row_marks is not None:  # every unit has read them (the step's barrier)
                     g.row_marks[self.rank].zero_()
                 continue
-            # Shared memory: .grad None is what makes the next backward write into the shared
-            # buffer afresh (grad_target.py); zeroing it and letting autograd add into it would
-            # be 4 passes over all of it
-            if g.grad_buf is None or self.arena is not None:
-                for p in g.params:
-                    p.grad = None
-                    release_grad_target(p)
+            if g.grad_buf is None or self.arena is not None:  # shared memory: written afresh into the buffer
+                clear_gradients(g.params)
                 continue
             g.grad_buf.zero_()
             for p, grad in zip(g.params, g.grad_views, strict=True):
@@ -570,7 +690,17 @@ class MuonAdamW:
                 f"or start a new run (--resume never)")
         self.step_count = sd["step_count"]
         for g in self.groups:  # checkpoints are read onto the CPU: the state goes to the parameters' device
-            g.state = {k: v.to(self.device, copy=True) for k, v in sd["groups"][g.name].items()}
+            saved = sd["groups"][g.name]
+            if self.arena is None:
+                g.state = {k: v.to(self.device, copy=True) for k, v in saved.items()}
+                continue
+            # into this rank's slice of the shared state. No other rank reads it before this rank's
+            # gradients of the next step are ready (_claim), which is after this returns.
+            if saved.keys() - g.state.keys():
+                raise ValueError(f"optimizer shard of group {g.name} holds {sorted(saved)}, this optimizer "
+                                 f"keeps {sorted(g.state)}: not a checkpoint of this run's optimizer")
+            for k, v in saved.items():
+                g.state[k].copy_(v)
 
 
 def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dtype,

@@ -1,14 +1,14 @@
-"""Ranks on one host share their parameters and gradients in memory instead of copying them.
+"""Ranks on one host share parameters, gradients and optimizer state in memory instead of copying them.
 
 Two Gloo ranks on one machine move every parameter and gradient through loopback TCP each step
 (Gloo's threads copy them on the same cores the model needs), which is why upstream nanochat's two
 ranks on one CPU are slower than one process. When every rank of the run was started by one
 launcher (LOCAL_WORLD_SIZE == WORLD_SIZE, so one host), the optimizer can instead keep:
 
-- one copy of the parameters, mapped by every rank: each rank updates its own slice in place and
-  the "all-gather" is a barrier;
-- every rank's gradient buffer in one (world, ...) tensor: each rank sums the rows of its slice
-  straight from the others' buffers, and the "reduce-scatter" is a barrier too.
+- one copy of the parameters and of the optimizer state, mapped by every rank, which any rank
+  may update in place (the optimizer hands the work out under `SharedArena.lock`);
+- every rank's gradient buffer in one (world, ...) tensor, from which whoever updates a part sums
+  that part of every rank's gradients: no "reduce-scatter" and no "all-gather", one barrier.
 
 The tensors are files in /dev/shm that rank 0 creates and unlinks as soon as every rank has mapped
 them, so nothing is left behind when a run stops, even by SIGKILL (except during the few
@@ -17,6 +17,7 @@ milliseconds between creation and unlink at start).
 
 from __future__ import annotations
 
+import fcntl
 import math
 import os
 import secrets
@@ -50,7 +51,7 @@ def plan(mode: str, world_size: int, local_world_size: int, device: torch.device
     if free < nbytes + (64 << 20):
         return False, (f"{shm_dir} has {free / 2**20:.0f} MiB free, the buffers need {nbytes / 2**20:.0f} MiB "
                        f"(in a container, raise it with podman/docker --shm-size)")
-    return True, (f"all {world_size} ranks on this host share parameters and gradients in {shm_dir} "
+    return True, (f"all {world_size} ranks on this host share parameters, gradients and optimizer state in {shm_dir} "
                   f"({nbytes / 2**20:.0f} MiB), no copies through Gloo")
 
 
@@ -95,9 +96,37 @@ class SharedArena:
             os.unlink(path)
         return t.view(shape)
 
+    def lock(self, name: str) -> HostLock:
+        """A lock every rank of this host shares (flock on one open file): what one rank writes
+        to shared memory holding it, the next rank to hold it reads. Kernel locks order memory on
+        every architecture, which plain flag writes would not on ARM."""
+        path = str(self.shm_dir / f"{self.prefix}-{name}")
+        if self.rank == 0:
+            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+        dist.barrier()
+        fd = os.open(path, os.O_RDWR)  # stays open for the run: the lock lives on the inode
+        dist.barrier()
+        if self.rank == 0:
+            os.unlink(path)
+        return HostLock(fd)
+
+
+class HostLock:
+    """`with lock:` holds an exclusive flock on a file every rank of the host has open."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __enter__(self) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc: object) -> None:
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+
 
 def buffer_bytes(model: torch.nn.Module, world_size: int) -> int:
-    """/dev/shm needed: one copy of the parameters plus every rank's gradients (padding and the
-    tables' row flags, world x rows bytes, aside: plan() keeps a 64 MiB margin)."""
+    """/dev/shm needed: one copy of the parameters, every rank's gradients and the optimizer state
+    (Muon's momentum, or AdamW's two moments: at most two copies more). Padding, the tables' row
+    flags and the work queue aside: plan() keeps a 64 MiB margin."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return params * (1 + world_size)
+    return params * (3 + world_size)

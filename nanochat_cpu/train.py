@@ -45,7 +45,7 @@ from .dist import (
     init_distributed,
     log,
 )
-from .grad_target import release_grad_target
+from .grad_target import clear_gradients
 from .model import GPT, flops_per_token, model_config_from, parameter_breakdown
 from .optim import MuonAdamW, build_optimizer
 from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib, reuse_freed_memory, sync
@@ -208,9 +208,7 @@ def calibrate_split(model: GPT, cfg: TrainConfig, env: DistEnv, ctx, watchdog: W
             model(x, y).backward()
         sync(env.device)  # on CUDA the pass has only been queued
         times.append(time.perf_counter() - t0)
-    for p in model.parameters():  # as the optimizer's zero_grad leaves them (grad_target.py)
-        p.grad = None
-        release_grad_target(p)
+    clear_gradients(model.parameters())  # as the optimizer's zero_grad leaves them
     # collectives take tensors on the run's device (NCCL has no CPU tensors)
     mine = torch.tensor([sum(times[1:]) / (len(times) - 1)], dtype=torch.float64, device=env.device)
     everyone = [torch.zeros_like(mine) for _ in range(env.world_size)]

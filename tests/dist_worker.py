@@ -8,7 +8,11 @@ PRIVATE_GRADS=1 then takes the gradient targets away, so every gradient is copie
 DENSE_EMBEDDING_GRADS=1 gives the embedding tables dense gradients (the plain nn.Embedding way),
 the reference for the optimizer's sparse rows. NO_GRAD=name,name drops those parameters' .grad
 before the second step (which must not reuse what the first step's left behind); with
-NO_GRAD_AS=zeros they get explicit zero gradients instead, the reference.
+NO_GRAD_AS=zeros they get explicit zero gradients instead, the reference. SLOW_RANK=r: the backward
+flags gradients as they complete, as in the trainer, and rank r starts its step only once the other
+ranks have taken every work unit but the tables' (a rank slowed down by its machine); every rank
+prints how many of the shared-memory step's units it did. BACKWARD_TWICE=1: the last backward runs
+twice, which the shared-memory step must refuse.
 `diverge`: perturb one parameter on the last rank, then run the cross-rank checksum guard.
 """
 
@@ -17,6 +21,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -93,14 +98,24 @@ def step(out: str, split: str | None) -> None:
             if env.world_size > 1 and opt.arena is None:  # every dense group's reduce is already on the wire
                 assert all(g.pending for g in opt.groups if not g.sparse_rows), "hooks did not start the reduce"
         else:
+            slow, twice = os.environ.get("SLOW_RANK"), os.environ.get("BACKWARD_TWICE") == "1"
+            opt.sync_in_backward = slow is not None or twice
             loss = model(mine[:, :-1], mine[:, 1:])
-            (loss * sizes[env.rank] / GLOBAL_ROWS).backward()
+            (loss * sizes[env.rank] / GLOBAL_ROWS).backward(retain_graph=twice)
+            if twice:
+                (loss * sizes[env.rank] / GLOBAL_ROWS).backward()
+            if slow is not None and int(slow) == env.rank:
+                wait_for_others_to_take_all_but_tables(opt)
         if opt.arena is not None:
             assert_gradients_written_into_shared_memory(model, opt, expected=not private_grads)
         for name, p in model.named_parameters():
             if step_index == 1 and name in os.environ.get("NO_GRAD", "").split(","):
                 p.grad = torch.zeros_like(p) if os.environ.get("NO_GRAD_AS") == "zeros" else None
         opt.step()
+        if opt.arena is not None:
+            tables = sum(u.group.sparse_rows for u in opt.units)
+            print(f"units rank={env.rank} step={step_index} ran={opt.last_units_run} total={len(opt.units)} "
+                  f"tables={tables}", flush=True)
         opt.zero_grad()
     if env.world_size > 1:  # bit-identical weights on every rank, or the guard stops the run
         check_parameters_agree(env, model, step=2)
@@ -108,6 +123,15 @@ def step(out: str, split: str | None) -> None:
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out)
     if env.world_size > 1:
         dist.destroy_process_group()
+
+
+def wait_for_others_to_take_all_but_tables(opt) -> None:
+    """Until every work unit but the tables' (whose rows this rank flags in its step) is taken."""
+    units = [i for i, u in enumerate(opt.units) if not u.group.sparse_rows]
+    deadline = time.monotonic() + 60
+    while not (opt.claimed[units] == opt.step_count + 1).all():
+        assert time.monotonic() < deadline, "the other ranks did not take the units this rank's gradients allow"
+        time.sleep(0.01)
 
 
 def assert_gradients_written_into_shared_memory(model: GPT, opt, expected: bool) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,39 @@ def test_n_rank_step_equals_one_rank_step(world, local_comm, reference, tmp_path
         torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=2e-5, msg=f"{name} differs at world={world}")
         moved += 1
     assert moved == len(reference) > 10
+
+
+@pytest.mark.parametrize(("world", "grads"), [(2, "in-place"), (3, "in-place"), (2, "private")])
+def test_shared_memory_step_takes_work_from_a_slow_rank(world, grads, reference, tmp_path):
+    """Rank 0 is late to its step, but its gradients are complete (flagged by its backward's
+    hooks; private ones, as a compiled model's, copied in by them): the other ranks do every unit
+    but the tables' (whose rows rank 0 flags in its step), and the result is still the 1-rank
+    step. With fixed owners rank 0 would do its share, and the others would wait for it."""
+    out = tmp_path / "params.pt"
+    env = {"LOCAL_COMM": "shm", "SLOW_RANK": "0", "PRIVATE_GRADS": "1" if grads == "private" else ""}
+    proc = run_torchrun(world, [WORKER, "step", str(out)], env_extra=env)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    # the ranks' lines may interleave in torchrun's output
+    lines = re.findall(r"units rank=(\d+) step=(\d+) ran=(\d+) total=(\d+) tables=(\d+)", proc.stdout)
+    assert len(lines) == 2 * world, proc.stdout
+    total, tables = int(lines[0][3]), int(lines[0][4])
+    for step in ("0", "1"):
+        ran = {int(rank): int(n) for rank, s, n, _, _ in lines if s == step}
+        assert sum(ran.values()) == total, f"step {step}: units done {ran}, of {total}"
+        assert ran[0] <= tables < total - tables, f"step {step}: the slow rank did {ran[0]} of {total} units"
+    got = torch.load(out)
+    for name, ref in reference.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=2e-5, msg=f"{name} differs at world={world}")
+
+
+def test_shared_memory_step_refuses_a_gradient_accumulated_twice(tmp_path):
+    """Other ranks may update a weight as soon as its gradient was accumulated once in the last
+    backward: a second accumulation (here a second backward) is refused, not summed too late."""
+    proc = run_torchrun(2, [WORKER, "step", str(tmp_path / "params.pt")],
+                        env_extra={"LOCAL_COMM": "shm", "BACKWARD_TWICE": "1"}, timeout=120)
+    assert proc.returncode != 0
+    assert "got a second gradient in the last micro-step's backward" in proc.stdout + proc.stderr
+    assert "Fix: --local-comm gloo" in proc.stdout + proc.stderr
 
 
 @pytest.mark.parametrize(("world", "local_comm", "micro_rows"), [(1, "", ""), (1, "", "1"), (2, "shm", "1"),

@@ -18,7 +18,7 @@ CPU = torch.device("cpu")
 
 def test_one_launcher_on_one_host_shares() -> None:
     ok, why = plan("auto", 2, 2, CPU, 1 << 20)
-    assert ok and "all 2 ranks on this host share parameters and gradients in /dev/shm (1 MiB)" in why
+    assert ok and "all 2 ranks on this host share parameters, gradients and optimizer state in /dev/shm (1 MiB)" in why
 
 
 @pytest.mark.parametrize(

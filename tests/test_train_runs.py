@@ -76,7 +76,7 @@ def test_two_ranks_train_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_
     assert sorted(full) == list(range(1, 13))
     assert "fingerprint agreed across 2 rank(s)" in first.stdout
     # one launcher, one host: the optimizer shares its buffers instead of sending them (and resumes so)
-    assert "local comm: auto: all 2 ranks on this host share parameters and gradients" in first.stdout
+    assert "local comm: auto: all 2 ranks on this host share parameters, gradients and optimizer state" in first.stdout
     # flags went through torchrun unharmed (FAILURES row 10): the run name reached MLflow
     db = tmp_path / "run" / "mlflow.db"
     with sqlite3.connect(db) as con:
