@@ -30,7 +30,7 @@ With every rank on one host (`shm.SharedArena`), the parameters, every rank's gr
 optimizer state live in shared memory instead, and there is no fixed owner: the step is a queue
 of work units (a matrix, or a run of rows or elements) that any rank takes as soon as the unit's
 gradients are complete on every rank (`_step_shared`). Ranks of one machine never finish their
-backward together (one rank's pass varies by 20-40% from step to step on a shared VM), so the one
+backward together (on a shared VM one rank's pass of the same work took 729-1,269 ms), so the one
 that finishes first works on the LM head and the last layers, whose gradients are final, while
 the other is still in its backward; one barrier ends the step. What crosses between processes:
 - dense groups: the backward writes each weight gradient straight into the rank's shared buffer
@@ -49,8 +49,10 @@ global batch's tokens, so uneven per-rank batches still give the global mean gra
 from __future__ import annotations
 
 import math
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -108,7 +110,7 @@ class Group:
     numel: int = 0
     shard: int = 0
     state: dict[str, torch.Tensor] = field(default_factory=dict)
-    # N ranks: persistent buffers of shape (shard x world, *unit); parameters and grads are views
+    # N ranks: persistent buffers of shape (shard x world, *item); parameters and grads are views
     # (in shared memory a dense group's .grad is the view only where the backward wrote it there
     # itself, grad_target.py; otherwise it is autograd's own tensor, copied over by _grad_final_hook
     # or _publish_rest)
@@ -119,7 +121,7 @@ class Group:
     offsets: list[int] = field(default_factory=list)  # each parameter's first element in the buffers
     # the summed gradient of the owned items; shared memory: of one work unit of a table
     grad_slice: torch.Tensor | None = None
-    master: torch.Tensor | None = None  # the owned units' values, updated, then all-gathered
+    master: torch.Tensor | None = None  # the owned items' values, updated, then all-gathered
     update_buf: torch.Tensor | None = None  # every rank's rounded update (--param-comm-dtype bfloat16)
     recv_buf: torch.Tensor | None = None  # every rank's gradient of the owned slice, before the sum
     ready: int = 0  # parameters whose last-micro-step gradient is complete
@@ -151,6 +153,7 @@ class WorkUnit:
 # millisecond, so the last units leave the ranks' finishing times that close
 UNIT_ELEMENTS = 1 << 18
 POLL_SECONDS = 2e-4  # a rank with nothing ready to do looks again this often
+PEER_CHECK_POLLS = 500  # and every 0.1 s or so checks that the ranks it waits for still run
 
 
 class MuonAdamW:
@@ -207,8 +210,8 @@ class MuonAdamW:
         return tuple(p0.shape) if g.kind == "muon" else tuple(p0.shape[1:]) if g.sparse_rows else ()
 
     def _make_buffers(self, g: Group) -> None:
-        p0, unit = g.params[0], self._item_shape(g)
-        shape = (g.shard * self.world_size, *unit)
+        p0, item = g.params[0], self._item_shape(g)
+        shape = (g.shard * self.world_size, *item)
         if self.arena is not None:
             g.param_buf = self.arena.tensor(f"{g.name}.param", shape, p0.dtype)
             g.grad_all = self.arena.tensor(f"{g.name}.grad", (self.world_size, *shape), p0.dtype)
@@ -240,9 +243,9 @@ class MuonAdamW:
             self._make_shared_state(g, shape)
             if g.sparse_rows:  # and one work unit's rows to add up the touched ones in
                 g.row_marks = self.arena.tensor(f"{g.name}.rows", (self.world_size, shape[0]), torch.bool)
-                g.grad_slice = torch.zeros((self._unit_items(g), *unit), dtype=p0.dtype, device=p0.device)
+                g.grad_slice = torch.zeros((self._unit_items(g), *item), dtype=p0.dtype, device=p0.device)
             return
-        g.grad_slice = torch.zeros((g.shard, *unit), dtype=p0.dtype, device=p0.device)
+        g.grad_slice = torch.zeros((g.shard, *item), dtype=p0.dtype, device=p0.device)
         g.master = torch.zeros_like(g.grad_slice)
         if self.param_comm_dtype != p0.dtype:
             g.update_buf = torch.zeros(shape, dtype=self.param_comm_dtype, device=p0.device)
@@ -287,6 +290,8 @@ class MuonAdamW:
         self.ready_at = self.arena.tensor("ready", (self.world_size, len(self.params)), torch.int64).numpy()
         self.claimed = self.arena.tensor("claimed", (len(units),), torch.int64).numpy()
         self.lock = self.arena.lock("queue")
+        self.pids = self.arena.tensor("pids", (self.world_size,), torch.int64).numpy()
+        self.pids[self.rank] = os.getpid()
         largest = max((u.hi - u.lo) * math.prod(self._item_shape(u.group)) for u in units if not u.group.sparse_rows)
         self.scratch = torch.zeros(largest, dtype=self.params[0].dtype, device=self.device)
 
@@ -415,7 +420,7 @@ class MuonAdamW:
             self._wait(work)
             got[kind] = tensor
         g.pending = []
-        if "dense" in got:  # (world, shard, *unit): every rank's gradient of this rank's slice
+        if "dense" in got:  # (world, shard, *item): every rank's gradient of this rank's slice
             torch.sum(got["dense"].view(self.world_size, *g.grad_slice.shape), dim=0, dtype=g.grad_slice.dtype,
                       out=g.grad_slice)
             return
@@ -426,7 +431,7 @@ class MuonAdamW:
         g.grad_slice.zero_()
         g.grad_slice.index_add_(0, ids[mine] - lo, rows[mine].to(g.grad_slice.dtype))
 
-    # ---- updates on the owned slice ----------------------------------------------------------
+    # ---- updates: the owned slice (Gloo), a work unit (shared memory), everything (1 rank) ----
 
     @staticmethod
     def _adamw_state(g: Group, params: list[torch.Tensor],
@@ -469,7 +474,7 @@ class MuonAdamW:
                 p.mul_(1 - lr * g.weight_decay)
             p.add_(u, alpha=-lr)
 
-    def _owned_units(self, g: Group) -> int:
+    def _owned_items(self, g: Group) -> int:
         return max(0, min(g.shard, g.numel - self.rank * g.shard))
 
     # ---- the step ----------------------------------------------------------------------------
@@ -507,7 +512,7 @@ class MuonAdamW:
             owned = g.param_buf[lo: lo + g.shard]
             g.master.copy_(owned)
             if g.kind == "muon":
-                n = self._owned_units(g)  # matrices past the last are padding: left alone
+                n = self._owned_items(g)  # matrices past the last are padding: left alone
                 if n > 0:
                     mom = g.state.setdefault("momentum", torch.zeros_like(g.grad_slice))
                     self._muon(g, g.master[:n], g.grad_slice[:n], mom[:n])
@@ -535,19 +540,22 @@ class MuonAdamW:
         gradients become complete on every rank. A rank whose backward finished early starts on the
         LM head and the last layers while a slower one is still in its backward (their gradients
         are final: _grad_final_hook), instead of waiting for it at a barrier."""
-        stamp = self.step_count
+        stamp, polls = self.step_count, 0
         self.last_units_run = 0
         self._publish_rest(stamp)
         while True:
-            unit = self._claim(stamp)
-            if unit is None:
+            index = self._claim(stamp)
+            if index is None:
                 break
-            if unit < 0:  # every unit left waits for a gradient still being computed
+            if index < 0:  # every unit left waits for a gradient still being computed
                 t0 = time.perf_counter()
                 time.sleep(POLL_SECONDS)
                 self.last_comm_wait += time.perf_counter() - t0
+                polls += 1
+                if polls % PEER_CHECK_POLLS == 0:
+                    self._check_peers_alive()
                 continue
-            self._run_unit(self.units[unit])
+            self._run_unit(self.units[index])
             self.last_units_run += 1
         # every unit done and every gradient read: the parameters may be used, the gradient
         # buffers written again. Until then no rank reads a parameter (the forward) or a moment
@@ -574,6 +582,18 @@ class MuonAdamW:
         with self.lock:
             mine[:] = stamp
 
+    def _check_peers_alive(self) -> None:
+        """Through Gloo a dead peer breaks the connection; waiting on shared memory it would not:
+        a rank gone (or a zombie, not yet reaped by its launcher) stops this one with its name."""
+        for rank, pid in enumerate(self.pids):
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except (OSError, IndexError):
+                state = "gone"
+            if rank != self.rank and state in ("gone", "Z", "X"):
+                raise RuntimeError(f"rank {rank} (pid {pid}) of this host exited in the middle of step "
+                                   f"{self.step_count}: this rank waits for its gradients in shared memory")
+
     def _claim(self, stamp: int) -> int | None:
         """Take the first unit nobody has taken whose gradients are complete on every rank; -1 if
         the units left all wait for some, None if none is left."""
@@ -585,9 +605,9 @@ class MuonAdamW:
             can = free & ~(self.gates & ~ready).any(axis=1)
             if not can.any():
                 return -1
-            unit = int(can.argmax())
-            self.claimed[unit] = stamp
-            return unit
+            index = int(can.argmax())
+            self.claimed[index] = stamp
+            return index
 
     def _run_unit(self, u: WorkUnit) -> None:
         g = u.group
@@ -611,14 +631,14 @@ class MuonAdamW:
     def _sum_dense(self, u: WorkUnit) -> torch.Tensor:
         """The unit's gradient summed over ranks, in rank order whoever sums it (the same bits on
         any rank), into this rank's private scratch: the shared buffers are only read."""
-        unit = self._item_shape(u.group)
-        a, b = u.lo * math.prod(unit), u.hi * math.prod(unit)
+        item = self._item_shape(u.group)
+        a, b = u.lo * math.prod(item), u.hi * math.prod(item)
         parts = [grads.view(-1)[a:b] for grads in u.group.grad_all]
         out = self.scratch[: b - a]
         torch.add(parts[0], parts[1], out=out)
         for part in parts[2:]:
             out.add_(part)
-        return out.view(u.hi - u.lo, *unit)
+        return out.view(u.hi - u.lo, *item)
 
     def _sum_table_rows(self, u: WorkUnit) -> torch.Tensor:
         """The unit's rows of a table's summed gradient, from only the rows some rank touched (a
@@ -694,11 +714,14 @@ class MuonAdamW:
             if self.arena is None:
                 g.state = {k: v.to(self.device, copy=True) for k, v in saved.items()}
                 continue
+            # a Gloo rank that owns no matrix of a group saves no state for it: zeros, as here
+            mismatch = [k for k in saved.keys() | g.state.keys() if saved and (
+                k not in saved or k not in g.state or saved[k].shape != g.state[k].shape)]
+            if mismatch:
+                raise ValueError(f"optimizer shard of group {g.name} does not fit this optimizer ({sorted(mismatch)}): "
+                                 f"not a checkpoint of this run's optimizer; start a new run (--resume never)")
             # into this rank's slice of the shared state. No other rank reads it before this rank's
             # gradients of the next step are ready (_claim), which is after this returns.
-            if saved.keys() - g.state.keys():
-                raise ValueError(f"optimizer shard of group {g.name} holds {sorted(saved)}, this optimizer "
-                                 f"keeps {sorted(g.state)}: not a checkpoint of this run's optimizer")
             for k, v in saved.items():
                 g.state[k].copy_(v)
 

@@ -12,7 +12,8 @@ NO_GRAD_AS=zeros they get explicit zero gradients instead, the reference. SLOW_R
 flags gradients as they complete, as in the trainer, and rank r starts its step only once the other
 ranks have taken every work unit but the tables' (a rank slowed down by its machine); every rank
 prints how many of the shared-memory step's units it did. BACKWARD_TWICE=1: the last backward runs
-twice, which the shared-memory step must refuse.
+twice, which the shared-memory step must refuse. EXIT_RANK=r: rank r exits (status 0, so its
+launcher does not stop the others) after its backward, leaving the others waiting for its rows.
 `diverge`: perturb one parameter on the last rank, then run the cross-rank checksum guard.
 """
 
@@ -99,13 +100,16 @@ def step(out: str, split: str | None) -> None:
                 assert all(g.pending for g in opt.groups if not g.sparse_rows), "hooks did not start the reduce"
         else:
             slow, twice = os.environ.get("SLOW_RANK"), os.environ.get("BACKWARD_TWICE") == "1"
-            opt.sync_in_backward = slow is not None or twice
+            exit_rank = os.environ.get("EXIT_RANK")
+            opt.sync_in_backward = slow is not None or twice or exit_rank is not None
             loss = model(mine[:, :-1], mine[:, 1:])
             (loss * sizes[env.rank] / GLOBAL_ROWS).backward(retain_graph=twice)
             if twice:
                 (loss * sizes[env.rank] / GLOBAL_ROWS).backward()
             if slow is not None and int(slow) == env.rank:
                 wait_for_others_to_take_all_but_tables(opt)
+            if exit_rank == str(env.rank):
+                os._exit(0)
         if opt.arena is not None:
             assert_gradients_written_into_shared_memory(model, opt, expected=not private_grads)
         for name, p in model.named_parameters():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -80,6 +81,19 @@ def test_shared_memory_step_refuses_a_gradient_accumulated_twice(tmp_path):
     assert proc.returncode != 0
     assert "got a second gradient in the last micro-step's backward" in proc.stdout + proc.stderr
     assert "Fix: --local-comm gloo" in proc.stdout + proc.stderr
+
+
+def test_shared_memory_step_stops_when_a_rank_of_the_host_is_gone(tmp_path):
+    """Rank 0 exits between its backward and its step (status 0: torchrun leaves the others
+    running): rank 1, waiting for rank 0's table rows in shared memory, notices within a fraction
+    of a second, names the rank and stops, instead of polling until the watchdog's bound."""
+    t0 = time.monotonic()
+    proc = run_torchrun(2, [WORKER, "step", str(tmp_path / "params.pt")],
+                        env_extra={"LOCAL_COMM": "shm", "EXIT_RANK": "0"}, timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out
+    assert "rank 0 (pid" in out and "exited in the middle of step 1" in out, out
+    assert time.monotonic() - t0 < 60
 
 
 @pytest.mark.parametrize(("world", "local_comm", "micro_rows"), [(1, "", ""), (1, "", "1"), (2, "shm", "1"),
