@@ -209,6 +209,9 @@ class MuonAdamW:
         p0 = g.params[0]
         return tuple(p0.shape) if g.kind == "muon" else tuple(p0.shape[1:]) if g.sparse_rows else ()
 
+    def _item_numel(self, g: Group) -> int:
+        return math.prod(self._item_shape(g))
+
     def _make_buffers(self, g: Group) -> None:
         p0, item = g.params[0], self._item_shape(g)
         shape = (g.shard * self.world_size, *item)
@@ -252,7 +255,7 @@ class MuonAdamW:
 
     def _unit_items(self, g: Group) -> int:
         """How many items (rows, elements) an AdamW work unit holds."""
-        return max(1, UNIT_ELEMENTS // math.prod(self._item_shape(g)))
+        return max(1, UNIT_ELEMENTS // self._item_numel(g))
 
     def _make_shared_state(self, g: Group, shape: tuple[int, ...]) -> None:
         """The optimizer state in shared memory, since any rank may update any unit; `state` keeps
@@ -274,15 +277,14 @@ class MuonAdamW:
             if g.kind == "muon":
                 units += [WorkUnit(g, i, i + 1, [self.param_index[id(g.params[i])]]) for i in range(g.numel)]
                 continue
-            per_unit = math.prod(self._item_shape(g))
-            size = self._unit_items(g)
+            per_item, size = self._item_numel(g), self._unit_items(g)
             for lo in range(0, g.numel, size):
                 hi = min(lo + size, g.numel)
                 gate = [self.param_index[id(p)] for p, start in zip(g.params, g.offsets, strict=True)
-                        if start < hi * per_unit and lo * per_unit < start + p.numel()]
+                        if start < hi * per_item and lo * per_item < start + p.numel()]
                 units.append(WorkUnit(g, lo, hi, gate))
         # the orthogonalisations first: they are the big ones
-        units.sort(key=lambda u: (u.group.kind != "muon", -(u.hi - u.lo) * math.prod(self._item_shape(u.group))))
+        units.sort(key=lambda u: (u.group.kind != "muon", -(u.hi - u.lo) * self._item_numel(u.group)))
         self.units = units
         self.gates = np.zeros((len(units), len(self.params)), dtype=bool)
         for i, u in enumerate(units):
@@ -292,7 +294,7 @@ class MuonAdamW:
         self.lock = self.arena.lock("queue")
         self.pids = self.arena.tensor("pids", (self.world_size,), torch.int64).numpy()
         self.pids[self.rank] = os.getpid()
-        largest = max((u.hi - u.lo) * math.prod(self._item_shape(u.group)) for u in units if not u.group.sparse_rows)
+        largest = max((u.hi - u.lo) * self._item_numel(u.group) for u in units if not u.group.sparse_rows)
         self.scratch = torch.zeros(largest, dtype=self.params[0].dtype, device=self.device)
 
     def _grad_final_hook(self, view: torch.Tensor):
@@ -586,11 +588,13 @@ class MuonAdamW:
         """Through Gloo a dead peer breaks the connection; waiting on shared memory it would not:
         a rank gone (or a zombie, not yet reaped by its launcher) stops this one with its name."""
         for rank, pid in enumerate(self.pids):
+            if rank == self.rank:
+                continue
             try:
                 state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
             except (OSError, IndexError):
                 state = "gone"
-            if rank != self.rank and state in ("gone", "Z", "X"):
+            if state in ("gone", "Z", "X"):
                 raise RuntimeError(f"rank {rank} (pid {pid}) of this host exited in the middle of step "
                                    f"{self.step_count}: this rank waits for its gradients in shared memory")
 
@@ -632,7 +636,7 @@ class MuonAdamW:
         """The unit's gradient summed over ranks, in rank order whoever sums it (the same bits on
         any rank), into this rank's private scratch: the shared buffers are only read."""
         item = self._item_shape(u.group)
-        a, b = u.lo * math.prod(item), u.hi * math.prod(item)
+        a, b = u.lo * self._item_numel(u.group), u.hi * self._item_numel(u.group)
         parts = [grads.view(-1)[a:b] for grads in u.group.grad_all]
         out = self.scratch[: b - a]
         torch.add(parts[0], parts[1], out=out)
