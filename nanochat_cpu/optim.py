@@ -481,6 +481,15 @@ class MuonAdamW:
 
     # ---- the step ----------------------------------------------------------------------------
 
+    @property
+    def step_phase(self) -> str:
+        """What step() waits on, for the watchdog's message when it hangs or fails."""
+        if self.world_size == 1:
+            return "optimizer step"
+        if self.arena is not None:
+            return "optimizer step (shared-memory work queue)"
+        return "optimizer reduce-scatter/all-gather"
+
     @torch.no_grad()
     def step(self) -> None:
         self.step_count += 1

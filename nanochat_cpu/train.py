@@ -515,7 +515,7 @@ def run(cfg: TrainConfig) -> None:
             g.lr_multiplier = mult
             if g.kind == "muon":
                 g.momentum = muon_momentum(step)
-        with watchdog.phase("optimizer reduce-scatter/all-gather", step + 1):  # the step being computed
+        with watchdog.phase(opt.step_phase, step + 1):  # the step being computed
             opt.step()
         opt.zero_grad()
         step += 1
