@@ -38,7 +38,9 @@ class TrainConfig:
     device: str = field(default="cpu", metadata={"choices": ("cpu", "cuda"), "help": "device to train on"})
     dtype: str = field(
         default="auto",
-        metadata={"choices": ("auto", "float32", "bfloat16"), "help": "auto: fp32 on CPU, bf16 on CUDA"},
+        metadata={"choices": ("auto", "float32", "bfloat16"),
+                  "help": "auto: bf16 on CUDA; on CPU bf16 only where every rank's CPU has native bf16 "
+                          "(AVX512-BF16/AMX), else fp32"},
     )
     compile: str = field(
         default="auto",

@@ -96,7 +96,11 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
         timeout_s += NCCL_TIMEOUT_MARGIN_S
     dist.init_process_group(env.backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
     hosts: list[str | None] = [None] * world_size
-    dist.all_gather_object(hosts, env.host)
+    try:  # the first collective, before a Watchdog exists: name it here if a peer is lost
+        dist.all_gather_object(hosts, env.host)
+    except Exception as exc:  # noqa: BLE001 - a peer died or dropped right after the rendezvous
+        fail(env, EXIT_COLLECTIVE, f"collective 'all_gather host names' right after the rendezvous failed: "
+                                   f"{type(exc).__name__}: {exc}. Exiting so the unit restarts.")
     env.hosts = [str(h) for h in hosts]
     return env
 

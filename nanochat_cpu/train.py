@@ -319,7 +319,7 @@ def tokenizer_refusal(cfg: TrainConfig, where: str, saved: dict, tokenizer_sha: 
             f"run's original tokenizer again (site.yml), or {START_AFRESH}")
 
 
-def agree_on_resume_step(cfg: TrainConfig, env: DistEnv) -> int | None:
+def agree_on_resume_step(cfg: TrainConfig, env: DistEnv, watchdog: Watchdog) -> int | None:
     """The newest step whose checkpoint is complete on *every* rank's node, if any."""
     if cfg.resume == "never":
         return None
@@ -327,7 +327,8 @@ def agree_on_resume_step(cfg: TrainConfig, env: DistEnv) -> int | None:
     if not env.distributed:
         return mine[-1] if mine else None
     everyone: list[list[int] | None] = [None] * env.world_size
-    dist.all_gather_object(everyone, mine)
+    with watchdog.phase("all_gather checkpoint steps", 0):
+        dist.all_gather_object(everyone, mine)
     common = set(everyone[0] or [])
     for steps in everyone[1:]:
         common &= set(steps or [])
@@ -423,13 +424,15 @@ def run(cfg: TrainConfig) -> None:
     model = GPT(mcfg)
     model.init_weights(cfg.seed)
     model.to(env.device)
-    try:
-        arena, local_why = make_arena(cfg.local_comm, env.rank, env.world_size, env.device, model)
-    except ValueError as exc:
-        fail(env, EXIT_CONFIG, str(exc))
-    if env.distributed:
-        log(env, f"local comm: {local_why}")
-    opt = build_optimizer(model, cfg, env.rank, env.world_size, muon_dtype, arena)
+    # collective: the ranks agree whether to share memory, map the buffers, then a barrier
+    with watchdog.phase("optimizer setup", 0):
+        try:
+            arena, local_why = make_arena(cfg.local_comm, env.rank, env.world_size, env.device, model)
+        except ValueError as exc:
+            fail(env, EXIT_CONFIG, str(exc))
+        if env.distributed:
+            log(env, f"local comm: {local_why}")
+        opt = build_optimizer(model, cfg, env.rank, env.world_size, muon_dtype, arena)
     fpt = flops_per_token(model)
     if env.master:
         parts = parameter_breakdown(model)
@@ -440,7 +443,7 @@ def run(cfg: TrainConfig) -> None:
             f"windows={model.windows} | tokens/step={cfg.total_batch_size:,}")
 
     start_step, loader_state, extra = 0, None, {}
-    resume_step = agree_on_resume_step(cfg, env)
+    resume_step = agree_on_resume_step(cfg, env, watchdog)
     if resume_step is not None:
         where = checkpoint.step_dir(cfg.out_dir, resume_step)
         fix = f"resume from an older checkpoint by deleting {where}, or {START_AFRESH}"
@@ -489,7 +492,8 @@ def run(cfg: TrainConfig) -> None:
     step = start_step
     said_speed = False  # whether the cluster-vs-one-node line was logged
     if start_step == 0 and env.distributed:
-        check_parameters_agree(env, model, 0)
+        with watchdog.phase("all_gather parameter checksum", 0):
+            check_parameters_agree(env, model, 0)
     while step < cfg.num_iterations:
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=env.device)  # read once a step: .item() would sync each micro-step
@@ -524,11 +528,13 @@ def run(cfg: TrainConfig) -> None:
         train_loss = loss_sum.item() / accum
         tok_per_s = cfg.total_batch_size / dt
         mfu = 100 * fpt * tok_per_s / (peak * env.world_size)
+        timing = (f"dt_ms={dt * 1000:.0f} tok_per_s={tok_per_s:.0f} mfu={mfu:.1f} "
+                  f"compute_ms={t_compute * 1000:.0f} optim_ms={(dt - t_compute) * 1000:.0f} "
+                  f"comm_wait_ms={opt.last_comm_wait * 1000:.0f}")
         if env.master:
-            log(env, f"step {step:05d}/{cfg.num_iterations:05d} loss={train_loss:.4f} lrm={mult:.3f} "
-                     f"dt_ms={dt * 1000:.0f} tok_per_s={tok_per_s:.0f} mfu={mfu:.1f} "
-                     f"compute_ms={t_compute * 1000:.0f} optim_ms={(dt - t_compute) * 1000:.0f} "
-                     f"comm_wait_ms={opt.last_comm_wait * 1000:.0f}")
+            log(env, f"step {step:05d}/{cfg.num_iterations:05d} loss={train_loss:.4f} lrm={mult:.3f} {timing}")
+        else:  # every node's journal shows its own ranks' progress; rank_loss: this rank's batch only
+            log(env, f"step {step:05d}/{cfg.num_iterations:05d} rank_loss={train_loss:.4f} {timing}")
         tracker.log_metrics({"train_loss": train_loss, "tok_per_s": tok_per_s, "mfu": mfu, "lr_mult": mult,
                              "step_ms": dt * 1000, "compute_ms": t_compute * 1000,
                              "comm_wait_ms": opt.last_comm_wait * 1000}, step)

@@ -239,6 +239,39 @@ def test_silent_peer_is_given_up_on_after_the_collective_timeout(tiny_data_dir, 
     assert "FATAL" in out and "rank 1@" in out and "collective" in out, out[-2000:]
 
 
+def environ_of(pid: int) -> dict[str, str]:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    return {k.decode(): v.decode(errors="replace") for k, v in pairs}
+
+
+def test_frozen_rank_of_the_host_is_given_up_on_in_shared_memory(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """Two ranks of one host share memory. Rank 1 frozen (SIGSTOP) is alive, so the optimizer's
+    pid check rightly keeps waiting for it, and no socket times out a wait on memory: the trainer's
+    watchdog must stop rank 0 within --collective-timeout + its grace, naming the phase and step."""
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, num_iterations=100000, checkpoint_every=0,
+                       collective_timeout=5, local_comm="shm")
+    node = spawn_node(1, 0, free_port(), train_target(*flags), nproc=2)
+    try:
+        seen = read_until(node, "step 00003", timeout=90)
+        assert "local comm: shm: all 2 ranks on this host share" in seen
+        rank1 = [pid for pid in descendants(node.pid) if environ_of(pid).get("RANK") == "1"]
+        assert len(rank1) == 1, rank1
+        os.kill(rank1[0], signal.SIGSTOP)
+        t0 = time.monotonic()
+        said = read_until(node, "FATAL", timeout=5 + 30 + 60)
+        waited = time.monotonic() - t0
+    finally:
+        kill_tree(node.pid, signal.SIGKILL)
+    # stuck polling (the watchdog), or in the step's closing barrier (Gloo's timeout): either way
+    # the optimizer step's phase is named, with the step and the peer
+    fatal = said.splitlines()[-1]
+    assert re.search(r"rank 0/2\] FATAL: (stuck \d+s \(bound 35s, --collective-timeout\) in )?collective "
+                     r"'optimizer step \(shared-memory work queue\)' at step \d+", fatal), fatal
+    assert "rank 1@" in fatal, fatal
+    assert waited < 5 + 30 + 10, f"rank 0 took {waited:.0f}s to give up"
+
+
 # ---- bad flags -----------------------------------------------------------------------------------
 
 BAD_FLAGS = [

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from nanochat_cpu.dist import EXIT_MISMATCH
 from tests.torchrun_helpers import REPO, free_port, kill_tree, node_env, run_torchrun, spawn_node, torchrun_cmd
 
 STEP_LINE = re.compile(r"step (\d+)/\d+ loss=([0-9.]+)")
@@ -75,6 +76,13 @@ def test_two_ranks_train_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_
     full = losses(first.stdout)
     assert sorted(full) == list(range(1, 13))
     assert "fingerprint agreed across 2 rank(s)" in first.stdout
+    # every rank shows its own progress, one line a step (FAILURES row 14), apart from rank 0's
+    rank1 = re.findall(r"rank 1/2\] step (\d+)/00012 rank_loss=[0-9.]+ dt_ms=\d+ tok_per_s=\d+", first.stdout)
+    assert [int(s) for s in rank1] == list(range(1, 13))
+    # the parameter breakdown and the FLOPs behind MFU, once, from rank 0 (FAILURES row 18)
+    assert len(re.findall(r"rank 0/2\] parameters: matrix=[\d,]+, embedding=[\d,]+, value_embedding=[\d,]+, "
+                          r"lm_head=[\d,]+, scalar=[\d,]+, total=[\d,]+ \| FLOPs/token \(for MFU\) = [\d,]+",
+                          first.stdout)) == 1
     # one launcher, one host: the optimizer shares its buffers instead of sending them (and resumes so)
     assert "local comm: auto: all 2 ranks on this host share parameters, gradients and optimizer state" in first.stdout
     # flags went through torchrun unharmed (FAILURES row 10): the run name reached MLflow
@@ -99,21 +107,42 @@ def test_two_ranks_train_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_
         assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
 
 
+def test_every_trainer_flag_passes_through_torchrun_unharmed():
+    """torchrun's own parser (torch.distributed.run, what the units run) must hand every trainer
+    flag, in both spellings, to the trainer: a flag torchrun took for an abbreviation of one of its
+    own options (`--run` for `--run-path`, FAILURES row 10) would be swallowed or refused."""
+    from torch.distributed.run import parse_args
+
+    from nanochat_cpu.config import build_parser
+
+    options = [a.option_strings[0] for a in build_parser()._actions if a.option_strings and a.dest != "help"]
+    assert len(options) > 30
+    for argv in ([x for o in options for x in (o, "1")], [f"{o}=1" for o in options]):
+        args = parse_args(["--nproc-per-node=2", "-m", "nanochat_cpu.train", *argv])
+        assert args.module and args.training_script == "nanochat_cpu.train"
+        assert args.training_script_args == argv
+
+
 def test_fingerprint_mismatch_stops_every_rank(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """Node 1 has a drifted shard and another --matrix-lr in its env file: both are named, with
+    the hashes on each side, on every rank, before step 1."""
     drifted = tmp_path / "drifted"
     shutil.copytree(tiny_data_dir, drifted)
     with open(drifted / "shard_00001.parquet", "ab") as f:
         f.write(b"drift")
     port = free_port()
     t0 = time.monotonic()
-    nodes = [spawn_node(2, rank, port, train_target(*tiny_flags(data, tiny_tokenizer_dir, tmp_path / f"n{rank}")))
-             for rank, data in enumerate([tiny_data_dir, drifted])]
+    nodes = [spawn_node(2, rank, port, train_target(*tiny_flags(data, tiny_tokenizer_dir, tmp_path / f"n{rank}",
+                                                                **over)))
+             for rank, (data, over) in enumerate([(tiny_data_dir, {}), (drifted, {"matrix_lr": 0.05})])]
     results = [finish(p, timeout=60) for p in nodes]
     assert time.monotonic() - t0 < 30 + 15  # 30 s budget plus two cold torch imports on 2 cores
+    host = socket.gethostname()
     for code, out, _ in results:
-        assert code != 0, out
+        assert code == EXIT_MISMATCH, out
         assert "run fingerprint mismatch" in out
-        assert "file data/shard_00001.parquet" in out
+        assert re.search(rf"file data/shard_00001.parquet: {host} has [0-9a-f]{{16}}, {host} has [0-9a-f]{{16}}", out)
+        assert re.search(rf"run config hash: {host} [0-9a-f]{{16}} vs {host} [0-9a-f]{{16}}", out), out
         assert "step 00001" not in out
 
 
@@ -200,6 +229,7 @@ def test_cuda_present_but_cpu_requested_uses_cpu_dtype_sdpa_gloo(native_ranks, d
         assert "cuda_available=True" in line
         assert f"device=cpu backend=gloo dtype=torch.{dtype} ({why.format(host=socket.gethostname())}" in line
         assert "attention=SDPA" in line
+        assert "compile=off (auto: eager on CPU" in line  # auto never compiles for a GPU that is not used
 
 
 # The tolerance docs/TRAINER.md states for `--dtype auto` choosing bf16 on CPU: at every step the
