@@ -42,7 +42,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 VENV = "/opt/nanochat/venv/bin/python"
 STATE = "/var/lib/nanochat"
-STEP = re.compile(r"step (\d+)/\d+ .*?dt_ms=(\d+) tok_per_s=(\d+).*?compute_ms=(\d+) optim_ms=(\d+) comm_wait_ms=(\d+)")
+STEP = re.compile(r"step (\d+)/\d+ loss=.*?dt_ms=(\d+) tok_per_s=(\d+).*?"  # rank 0's line, not rank_loss=
+                  r"compute_ms=(\d+) optim_ms=(\d+) comm_wait_ms=(\d+)")
 
 
 @dataclass

@@ -240,8 +240,11 @@ def test_silent_peer_is_given_up_on_after_the_collective_timeout(tiny_data_dir, 
 
 
 def environ_of(pid: int) -> dict[str, str]:
-    with open(f"/proc/{pid}/environ", "rb") as f:
-        pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            pairs = [item.split(b"=", 1) for item in f.read().split(b"\0") if b"=" in item]
+    except OSError:  # gone since it was listed
+        return {}
     return {k.decode(): v.decode(errors="replace") for k, v in pairs}
 
 

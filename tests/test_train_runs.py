@@ -137,7 +137,7 @@ def test_fingerprint_mismatch_stops_every_rank(tiny_data_dir, tiny_tokenizer_dir
              for rank, (data, over) in enumerate([(tiny_data_dir, {}), (drifted, {"matrix_lr": 0.05})])]
     results = [finish(p, timeout=60) for p in nodes]
     assert time.monotonic() - t0 < 30 + 15  # 30 s budget plus two cold torch imports on 2 cores
-    host = socket.gethostname()
+    host = re.escape(socket.gethostname())
     for code, out, _ in results:
         assert code == EXIT_MISMATCH, out
         assert "run fingerprint mismatch" in out
