@@ -159,13 +159,14 @@ def parameter_checksum(model: torch.nn.Module) -> torch.Tensor:
     return torch.cat(parts).cpu()
 
 
-def check_parameters_agree(env: DistEnv, model: torch.nn.Module, step: int) -> None:
+def check_parameters_agree(env: DistEnv, model: torch.nn.Module, step: int, watchdog: Watchdog) -> None:
     """Every rank applies the same all-gathered update, so parameters must agree bitwise."""
     if not env.distributed:
         return
     mine = parameter_checksum(model)
     gathered: list[torch.Tensor | None] = [None] * env.world_size
-    dist.all_gather_object(gathered, mine)
+    with watchdog.phase("all_gather parameter checksum", step):
+        dist.all_gather_object(gathered, mine)
     names = [n for n, _ in model.named_parameters()]
     diverged = []
     for r, other in enumerate(gathered):

@@ -644,8 +644,8 @@ class MuonAdamW:
     def _sum_dense(self, u: WorkUnit) -> torch.Tensor:
         """The unit's gradient summed over ranks, in rank order whoever sums it (the same bits on
         any rank), into this rank's private scratch: the shared buffers are only read."""
-        item = self._item_shape(u.group)
-        a, b = u.lo * self._item_numel(u.group), u.hi * self._item_numel(u.group)
+        item, n = self._item_shape(u.group), self._item_numel(u.group)
+        a, b = u.lo * n, u.hi * n
         parts = [grads.view(-1)[a:b] for grads in u.group.grad_all]
         out = self.scratch[: b - a]
         torch.add(parts[0], parts[1], out=out)

@@ -492,8 +492,7 @@ def run(cfg: TrainConfig) -> None:
     step = start_step
     said_speed = False  # whether the cluster-vs-one-node line was logged
     if start_step == 0 and env.distributed:
-        with watchdog.phase("all_gather parameter checksum", 0):
-            check_parameters_agree(env, model, 0)
+        check_parameters_agree(env, model, 0, watchdog)
     while step < cfg.num_iterations:
         t0 = time.perf_counter()
         loss_sum = torch.zeros((), device=env.device)  # read once a step: .item() would sync each micro-step
@@ -546,8 +545,7 @@ def run(cfg: TrainConfig) -> None:
             said_speed = log_rank_timings(cfg, env, tracker, step, sizes, accum, t_compute, opt.last_comm_wait,
                                           dt, watchdog, said_speed)
         if env.distributed and (step == 1 or (cfg.checksum_every and step % cfg.checksum_every == 0) or last):
-            with watchdog.phase("all_gather parameter checksum", step):
-                check_parameters_agree(env, model, step)
+            check_parameters_agree(env, model, step, watchdog)
         if (cfg.eval_every and step % cfg.eval_every == 0) or last:
             bpb = evaluate_bpb(model, cfg, env, tokenizer, token_bytes, ctx, watchdog, step)
             if env.master:

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from nanochat_cpu.config import TrainConfig
-from nanochat_cpu.dist import DistEnv, check_parameters_agree
+from nanochat_cpu.dist import DistEnv, Watchdog, check_parameters_agree
 from nanochat_cpu.grad_target import set_grad_target
 from nanochat_cpu.model import GPT, model_config_from
 from nanochat_cpu.optim import build_optimizer
@@ -122,7 +122,7 @@ def step(out: str, split: str | None) -> None:
                   f"tables={tables}", flush=True)
         opt.zero_grad()
     if env.world_size > 1:  # bit-identical weights on every rank, or the guard stops the run
-        check_parameters_agree(env, model, step=2)
+        check_parameters_agree(env, model, step=2, watchdog=Watchdog(env, 120))
     if env.rank == 0:
         torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, out)
     if env.world_size > 1:
@@ -160,7 +160,7 @@ def diverge() -> None:
     if env.rank == env.world_size - 1:
         with torch.no_grad():
             model.blocks[1].mlp.c_fc.weight[0, 0] += 1e-3
-    check_parameters_agree(env, model, step=7)
+    check_parameters_agree(env, model, step=7, watchdog=Watchdog(env, 120))
     print(f"rank {env.rank}: parameters agree", flush=True)
 
 
