@@ -33,7 +33,8 @@ from .config import (
     validate,
     world_size_from_env,
 )
-from .data import TokenLoader, check_dataset
+from .data import check_dataset
+from .dataloader import TokenLoader
 from .dist import (
     EXIT_CONFIG,
     EXIT_MISMATCH,
