@@ -60,7 +60,7 @@ def worker(args: argparse.Namespace) -> None:
     tokens_per_rank = args.total_batch_size // world
     batch = tokens_per_rank // args.max_seq_len
     if args.tokenizer_dir:
-        from .data import TokenLoader
+        from .dataloader import TokenLoader
         from .tokenizer import Tokenizer
 
         tok = Tokenizer.load(args.tokenizer_dir)

@@ -1,9 +1,10 @@
-"""The dataset: parquet shards of documents, a manifest of their checksums, and the loader.
+"""The dataset on disk: parquet shards of documents and a manifest of their checksums.
 
 A data dir is `manifest.json` + `shard_00000.parquet ...`, each shard a single `text` column
 in several row groups. The manifest lists every file with its size, sha256 and row count;
 the last file is the validation shard. Ranks hash the manifest before step 0 and `verify`
-re-hashes the files, so two nodes can never silently train on different data (FAILURES.md 1).
+re-hashes the files, so two nodes can never silently train on different data (docs/FAILURES.md
+row 1). Beside it: `download.py` moves fetch's bytes, `dataloader.py` reads shards as batches.
 
     python -m nanochat_cpu.data corpus --out DIR          # offline English: Debian `fortunes`
     python -m nanochat_cpu.data prepare --source PATH... --out DIR
@@ -15,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import hashlib
-import http.client
 import json
 import math
 import os
@@ -26,17 +26,12 @@ import sys
 import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-from urllib.error import HTTPError
-from urllib.request import Request, urlopen
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-if TYPE_CHECKING:
-    import torch
-
-    from nanochat_cpu.tokenizer import Tokenizer
+from .download import download
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -47,7 +42,6 @@ FORTUNES_SKIP = frozenset({"art", "ascii-art"})
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main"
 DEFAULT_VAL_INDEX = 6542
 CHUNK_BYTES = 1 << 20
-USER_AGENT = "nanochat_cpu-fetch/0.1"
 
 
 # -----------------------------------------------------------------------------
@@ -265,85 +259,7 @@ def corpus(out: str | Path, root: Path = FORTUNES_DIR, shards: int = 8, groups_p
 
 
 # -----------------------------------------------------------------------------
-# Download (ClimbMix, nanochat's layout), resumable
-
-
-class ShortDownload(OSError):
-    """The server closed the connection before the whole file arrived (retryable)."""
-
-
-_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
-
-
-def _expected_total(resp: http.client.HTTPResponse, offset: int) -> tuple[int, int | None]:
-    """(offset the body starts at, total file size or None if the server did not say)."""
-    if resp.status == 206:
-        m = _CONTENT_RANGE.fullmatch(resp.headers.get("Content-Range", ""))
-        if not m:
-            raise ShortDownload(f"206 without a usable Content-Range: {resp.headers.get('Content-Range')!r}")
-        start, total = int(m.group(1)), m.group(3)
-        return start, None if total == "*" else int(total)
-    # 200: the server ignored our Range, the body is the whole file
-    length = resp.headers.get("Content-Length")
-    return 0, None if length is None else int(length)
-
-
-def _download_once(url: str, part: Path, timeout: float) -> None:
-    """One request: append to part from where it stops, or restart it if the server won't."""
-    offset = part.stat().st_size if part.exists() else 0
-    headers = {"User-Agent": USER_AGENT}
-    if offset:
-        headers["Range"] = f"bytes={offset}-"
-    try:
-        resp = urlopen(Request(url, headers=headers), timeout=timeout)
-    except HTTPError as e:
-        # 416: nothing left after offset. Fine if the part is whole, else start over.
-        if e.code == 416 and offset:
-            m = re.fullmatch(r"bytes \*/(\d+)", e.headers.get("Content-Range", ""))
-            if m and int(m.group(1)) == offset:
-                return
-            part.unlink()
-            raise ShortDownload(f"server refused range from byte {offset}; restarting") from e
-        raise
-    with resp:
-        start, total = _expected_total(resp, offset)
-        if start not in (0, offset):
-            raise ShortDownload(f"asked for byte {offset}, server sent from byte {start}")
-        with open(part, "ab" if start else "wb") as f:
-            while chunk := resp.read(CHUNK_BYTES):
-                f.write(chunk)
-    # http.client returns b"" (no error) when a peer closes early, so check the size here.
-    size = part.stat().st_size
-    if total is not None and size != total:
-        raise ShortDownload(f"connection closed at byte {size} of {total}")
-
-
-def download(url: str, dest: Path, timeout: float = 30.0, retries: int = 5, backoff_s: float = 2.0) -> None:
-    """url -> dest via dest.part: resumes with HTTP Range, retries with exponential backoff,
-    checks the parquet footer, renames into place only when whole."""
-    part = dest.with_name(dest.name + ".part")
-    for attempt in range(1, retries + 1):
-        try:
-            _download_once(url, part, timeout)
-            pq.read_metadata(part)  # raises unless the parquet footer arrived whole
-            os.replace(part, dest)
-            return
-        except HTTPError as e:
-            # 4xx other than 408/429 will not get better by asking again
-            if 400 <= e.code < 500 and e.code not in (408, 429):
-                raise RuntimeError(f"fetch {url}: HTTP {e.code} {e.reason}") from e
-            error: Exception = e
-        except pa.ArrowException as e:
-            part.unlink(missing_ok=True)  # complete but not parquet: resuming cannot fix it
-            error = e
-        except (OSError, http.client.HTTPException) as e:  # URLError, timeouts, resets, ShortDownload
-            error = e
-        kept = part.stat().st_size if part.exists() else 0
-        if attempt == retries:
-            raise RuntimeError(f"fetch {url}: gave up after {retries} attempts ({kept} bytes kept in {part}): {error}")
-        wait = backoff_s * 2 ** (attempt - 1)
-        print(f"  {dest.name}: attempt {attempt}/{retries} failed: {error}; {kept} bytes kept, retry in {wait:.0f}s")
-        time.sleep(wait)
+# Fetch (ClimbMix, nanochat's layout)
 
 
 def fetch(
@@ -463,133 +379,6 @@ def check_dataset(data_dir: str | Path, world_size: int, digests: dict[str, str]
                             f"{world_size} ranks (each rank reads whole row groups): re-prepare it with a "
                             f"smaller --rows-per-group or more documents")
     return problems
-
-
-# -----------------------------------------------------------------------------
-# The token loader
-
-
-class TokenLoader:
-    """Packs BOS-prefixed documents into rows of seq_len+1 tokens; yields (inputs, targets).
-
-    Row groups are shared out over one flat list of (shard, row group) pairs, rank r taking
-    the pairs whose index % world_size == r, so any world size works. The position is the
-    next unread token: (epoch, pair, document, token offset). A loader built from
-    state_dict() yields exactly the batches the original would have yielded next.
-    Train repeats forever (epoch counts the passes); val stops after its last full batch.
-    """
-
-    def __init__(
-        self,
-        data_dir: str | Path,
-        tokenizer: Tokenizer,
-        split: str,
-        batch_size: int,
-        seq_len: int,
-        rank: int = 0,
-        world_size: int = 1,
-        state: dict[str, Any] | None = None,
-        *,
-        num_threads: int | None = None,
-    ) -> None:
-        if batch_size < 1 or seq_len < 1:
-            raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank {rank} is outside world_size {world_size}")
-        self.data_dir = Path(data_dir)
-        self.tokenizer = tokenizer
-        self.split = split
-        self.batch_size = batch_size
-        self.seq_len = seq_len
-        self.rank = rank
-        self.world_size = world_size
-        self.num_threads = num_threads
-        all_pairs = row_group_pairs(self.data_dir, split)
-        self.pairs = all_pairs[rank::world_size]
-        if not self.pairs:
-            raise ValueError(
-                f"{split} split of {self.data_dir} has {len(all_pairs)} row groups, too few for rank {rank} "
-                f"of world_size {world_size}: re-prepare it with a smaller --rows-per-group"
-            )
-        self.epoch = self.pair_index = self.doc_index = self.token_offset = 0
-        if state is not None:
-            self._load_state(state)
-        self._docs: list[list[int]] = []
-        self._docs_pair = -1  # pair index self._docs was tokenized from
-        self._done = False
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "split": self.split,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "epoch": self.epoch,
-            "pair_index": self.pair_index,
-            "doc_index": self.doc_index,
-            "token_offset": self.token_offset,
-        }
-
-    def _load_state(self, state: dict[str, Any]) -> None:
-        mine = {"split": self.split, "rank": self.rank, "world_size": self.world_size}
-        theirs = {k: state.get(k) for k in mine}
-        if theirs != mine:
-            raise ValueError(f"loader state is for {theirs}, this loader is {mine}: positions do not carry over")
-        self.epoch = int(state["epoch"])
-        self.pair_index = int(state["pair_index"])
-        self.doc_index = int(state["doc_index"])
-        self.token_offset = int(state["token_offset"])
-
-    def _current_doc(self) -> list[int] | None:
-        """Tokens of the document at the position, moving on past ended row groups and epochs;
-        None when the val split is used up."""
-        empty_pairs = 0
-        while True:
-            if self.pair_index >= len(self.pairs):
-                if self.split == "val":
-                    return None
-                self.epoch += 1
-                self.pair_index = self.doc_index = self.token_offset = 0
-            if self._docs_pair != self.pair_index:
-                texts = read_texts(self.data_dir, self.pairs[self.pair_index])
-                bos = self.tokenizer.bos_id
-                self._docs = [[bos, *ids] for ids in self.tokenizer.encode_batch(texts, self.num_threads)]
-                self._docs_pair = self.pair_index
-            if self.doc_index < len(self._docs):
-                return self._docs[self.doc_index]
-            empty_pairs += 1 if not self._docs else 0
-            if empty_pairs > len(self.pairs):
-                raise ValueError(f"every row group of rank {self.rank}'s {self.split} share is empty")
-            self.pair_index += 1
-            self.doc_index = self.token_offset = 0
-
-    def _take(self, n: int) -> list[int] | None:
-        out: list[int] = []
-        while len(out) < n:
-            doc = self._current_doc()
-            if doc is None:
-                return None
-            piece = doc[self.token_offset : self.token_offset + n - len(out)]
-            out.extend(piece)
-            self.token_offset += len(piece)
-            if self.token_offset >= len(doc):
-                self.doc_index += 1
-                self.token_offset = 0
-        return out
-
-    def __iter__(self) -> TokenLoader:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        import torch  # here, not at the top: prepare/fetch/verify run where torch is not needed
-
-        if self._done:
-            raise StopIteration
-        tokens = self._take(self.batch_size * (self.seq_len + 1))
-        if tokens is None:  # val: a last partial batch is dropped
-            self._done = True
-            raise StopIteration
-        rows = torch.tensor(tokens, dtype=torch.long).view(self.batch_size, self.seq_len + 1)
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
 # -----------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The run fingerprint every rank exchanges before step 0.
 
 Two ranks that read different shards, different tokenizers or different run configs will not
-crash: one runs out of data first and the other waits in all_reduce forever (FAILURES row 1).
+crash: one runs out of data first and the other waits in all_reduce forever (docs/FAILURES.md row 1).
 So before the first step each rank hashes what it will train on and the ranks compare. Any
 difference stops every rank with one message naming the hosts, the file and both hashes.
 

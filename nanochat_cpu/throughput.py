@@ -1,7 +1,7 @@
 """Is the cluster faster than its fastest node would be alone? An estimate from one step's timings.
 
-In the field reports two nodes trained at 57 tok/s and the workstation alone at 60 (FAILURES row
-16), and nothing said so. Every rank already measures, per step, how long it computed
+In the field reports two nodes trained at 57 tok/s and the workstation alone at 60
+(docs/FAILURES.md row 16), and nothing said so. Every rank already measures, per step, how long it computed
 (forward+backward of its rows), how long it waited on the wire and how long the step took. From
 that, rank 0 models each rank training alone on the same global batch:
 

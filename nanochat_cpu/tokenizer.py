@@ -1,7 +1,7 @@
 """Byte-level BPE tokenizer (HuggingFace `tokenizers`), trained on our own shards.
 
 One file, `TOKDIR/tokenizer.json`, is the whole tokenizer: the controller trains it once and
-pushes it to every node, and every rank hashes it at start (see FAILURES.md row 1), so it
+pushes it to every node, and every rank hashes it at start (see docs/FAILURES.md row 1), so it
 must be a single self-contained file.
 
     python -m nanochat_cpu.tokenizer train --data-dir D --vocab-size V --out TOKDIR
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from nanochat_cpu.data import iter_texts
+from .data import iter_texts
 
 if TYPE_CHECKING:
     import torch

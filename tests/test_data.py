@@ -23,7 +23,7 @@ import torch
 from conftest import TINY_DOCS, TINY_VAL_DOCS, english_like_docs
 
 from nanochat_cpu import data
-from nanochat_cpu.data import TokenLoader
+from nanochat_cpu.dataloader import TokenLoader
 from nanochat_cpu.tokenizer import Tokenizer
 
 # -----------------------------------------------------------------------------

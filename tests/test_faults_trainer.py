@@ -1,4 +1,4 @@
-"""Faults injected into the trainer on real torchrun + Gloo processes on loopback (issue 5, part A).
+"""Faults injected into the trainer on real torchrun + Gloo processes on loopback.
 
 Each test breaks one thing a real cluster breaks — a checkpoint write cut short by SIGKILL or a
 full disk, a bad flag, an empty or corrupt shard, a tokenizer from another corpus, a foreign

@@ -76,22 +76,22 @@ def test_two_ranks_train_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_
     full = losses(first.stdout)
     assert sorted(full) == list(range(1, 13))
     assert "fingerprint agreed across 2 rank(s)" in first.stdout
-    # every rank shows its own progress, one line a step (FAILURES row 14), apart from rank 0's
+    # every rank shows its own progress, one line a step (docs/FAILURES.md row 14), apart from rank 0's
     rank1 = re.findall(r"rank 1/2\] step (\d+)/00012 rank_loss=[0-9.]+ dt_ms=\d+ tok_per_s=\d+", first.stdout)
     assert [int(s) for s in rank1] == list(range(1, 13))
-    # the parameter breakdown and the FLOPs behind MFU, once, from rank 0 (FAILURES row 18)
+    # the parameter breakdown and the FLOPs behind MFU, once, from rank 0 (docs/FAILURES.md row 18)
     assert len(re.findall(r"rank 0/2\] parameters: matrix=[\d,]+, embedding=[\d,]+, value_embedding=[\d,]+, "
                           r"lm_head=[\d,]+, scalar=[\d,]+, total=[\d,]+ \| FLOPs/token \(for MFU\) = [\d,]+",
                           first.stdout)) == 1
     # one launcher, one host: the optimizer shares its buffers instead of sending them (and resumes so)
     assert "local comm: auto: all 2 ranks on this host share parameters, gradients and optimizer state" in first.stdout
-    # flags went through torchrun unharmed (FAILURES row 10): the run name reached MLflow
+    # flags went through torchrun unharmed (docs/FAILURES.md row 10): the run name reached MLflow
     db = tmp_path / "run" / "mlflow.db"
     with sqlite3.connect(db) as con:
         names = {r[0] for r in con.execute("select name from runs")}
         metrics = {r[0] for r in con.execute("select distinct key from metrics")}
     assert names == {"test"} and {"train_loss", "tok_per_s", "mfu", "val_bpb", "vs_fastest_node_est"} <= metrics
-    # whether two ranks beat one alone is said once, at the first timing step (issue 6)
+    # whether two ranks beat one alone is said once, at the first timing step (docs/FAILURES.md row 16)
     # (both ranks on this host: the comparison is with this host as one process, not with one rank)
     assert len(re.findall(r"cluster [\d,]+ tok/s with 2 ranks = [\d.]+x what ranks 0\+1@\S+ would do alone as one",
                           first.stdout)) == 1
@@ -110,7 +110,7 @@ def test_two_ranks_train_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_
 def test_every_trainer_flag_passes_through_torchrun_unharmed():
     """torchrun's own parser (torch.distributed.run, what the units run) must hand every trainer
     flag, in both spellings, to the trainer: a flag torchrun took for an abbreviation of one of its
-    own options (`--run` for `--run-path`, FAILURES row 10) would be swallowed or refused."""
+    own options (`--run` for `--run-path`, docs/FAILURES.md row 10) would be swallowed or refused."""
     from torch.distributed.run import parse_args
 
     from nanochat_cpu.config import build_parser
@@ -168,7 +168,7 @@ def test_measured_split_gives_the_faster_node_more_rows_and_resume_keeps_it(tiny
                                                                             tmp_path):
     """Node 1 shares its core with two busy loops (a third of a core): the start-up calibration must
     see it and give node 0 more rows; the step's tokens stay the same, and a resumed run reuses the
-    split from the checkpoint instead of measuring again (issue 6)."""
+    split from the checkpoint instead of measuring again (docs/FAILURES.md row 16)."""
     def flags(rank: int) -> list[str]:  # each node its own run directory, as on real machines
         return tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"node{rank}", rank_batch_sizes="auto")
 

@@ -1,0 +1,137 @@
+"""How a step's rows are shared out over the ranks, and the timings that show whether it works.
+
+A global batch is total_batch_size tokens whatever the split. By default every rank takes
+device_batch_size rows per micro-step; `--rank-batch-sizes 6,2` gives each rank's rows; `auto`
+times a few forward+backward passes on every rank before step 0 and gives the faster ranks more
+rows (a resumed run reuses the split saved in its checkpoint). Every tenth step the ranks'
+compute and wait times are gathered, and rank 0 says once whether the cluster beats its fastest
+node alone (`throughput.py` holds that estimate; docs/FAILURES.md row 16).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from . import throughput
+from .config import TrainConfig, explicit_rank_batch_sizes
+from .dist import DistEnv, Watchdog, log
+from .grad_target import clear_gradients
+from .model import GPT
+from .perf import sync
+from .tracking import Tracker
+
+
+def min_max_split(row_seconds: list[float], rows: int) -> list[int]:
+    """`rows` rows over the ranks, at least one each, so that the slowest rank finishes first:
+    give each next row to the rank that would still be done soonest (optimal for min-max)."""
+    sizes = [1] * len(row_seconds)
+    for _ in range(rows - len(sizes)):
+        r = min(range(len(sizes)), key=lambda k: ((sizes[k] + 1) * row_seconds[k], k))
+        sizes[r] += 1
+    return sizes
+
+
+def balanced_split(row_seconds: list[float], step_rows: int, configured: int) -> list[int]:
+    """Each rank's rows per micro-step, from each rank's measured seconds per row.
+
+    Rows are whole, so with 6 rows and speeds 1 : 0.5 : 1 the best is 3,1,2 (the slowest rank
+    takes 3 row-times of 6: 0.5 per row) where 5,2,5 of 12 rows takes 0.42. So every micro-step
+    size from world_size to 2 x the configured one (device_batch_size x world_size; the cap bounds
+    a rank's activation memory) that divides the step's rows is tried; the split whose slowest rank
+    spends the least time per global row wins, the configured size when it is within 3% of it.
+    """
+    world = len(row_seconds)
+    options = []
+    for rows in range(world, 2 * configured + 1):
+        if step_rows % rows == 0:
+            sizes = min_max_split(row_seconds, rows)
+            options.append((max(n * t for n, t in zip(sizes, row_seconds, strict=True)) / rows, rows, sizes))
+    best = min(cost for cost, _, _ in options)
+    return min((o for o in options if o[0] <= best * 1.03), key=lambda o: (abs(o[1] - configured), o[1]))[2]
+
+
+CALIBRATION_SECONDS = 1.5
+
+
+def calibrate_split(model: GPT, cfg: TrainConfig, env: DistEnv, ctx, watchdog: Watchdog) -> list[int]:
+    """Time forward+backward passes on every rank; faster ranks take more of each micro-step.
+
+    The global batch (total_batch_size) is unchanged and every rank's loss is weighted by its
+    tokens, so the optimisation is the same as with an even split; only the rows per micro-step
+    and the number of micro-steps may change (balanced_split).
+    """
+    gen = torch.Generator().manual_seed(cfg.seed)  # not the global RNG: training stays reproducible
+    rows = torch.randint(0, model.cfg.vocab_size, (cfg.device_batch_size, cfg.max_seq_len + 1), generator=gen)
+    x, y = rows[:, :-1].to(env.device), rows[:, 1:].to(env.device)
+    times: list[float] = []
+    # the first pass warms up allocators and kernels. Then time at least CALIBRATION_SECONDS: a
+    # CPU quota (a container, a cgroup) lets a process run at full speed for the first part of each
+    # 100-ms scheduler period, so passes shorter than a few periods measure the core, not the quota
+    while len(times) < 3 or sum(times[1:]) < CALIBRATION_SECONDS:
+        t0 = time.perf_counter()
+        with ctx:
+            model(x, y).backward()
+        sync(env.device)  # on CUDA the pass has only been queued
+        times.append(time.perf_counter() - t0)
+    clear_gradients(model.parameters())  # as the optimizer's zero_grad leaves them
+    # collectives take tensors on the run's device (NCCL has no CPU tensors)
+    mine = torch.tensor([sum(times[1:]) / (len(times) - 1)], dtype=torch.float64, device=env.device)
+    everyone = [torch.zeros_like(mine) for _ in range(env.world_size)]
+    with watchdog.phase("all_gather calibration", 0):
+        dist.all_gather(everyone, mine)
+        sync(env.device)
+    seconds = [float(t) for t in everyone]
+    sizes = balanced_split([t / cfg.device_batch_size for t in seconds], cfg.total_batch_size // cfg.max_seq_len,
+                           cfg.device_batch_size * env.world_size)
+    if env.master:
+        log(env, "calibrated work split: " + ", ".join(
+            f"rank {r}@{env.hosts[r]} {seconds[r] * 1000:.0f} ms/micro-batch -> {sizes[r]} rows"
+            for r in range(env.world_size)))
+    return sizes
+
+
+def choose_split(cfg: TrainConfig, env: DistEnv, model: GPT, ctx, watchdog: Watchdog, saved: list[int] | None,
+               ) -> list[int]:
+    """Each rank's rows per micro-step: as given, even, as the checkpoint saved them, or calibrated."""
+    explicit = explicit_rank_batch_sizes(cfg, env.world_size)
+    if explicit is not None:
+        return explicit
+    if cfg.rank_batch_sizes != "auto" or not env.distributed:
+        return [cfg.device_batch_size] * env.world_size
+    if saved is not None and len(saved) == env.world_size:
+        if env.master:
+            log(env, f"work split from the checkpoint: {saved}")
+        return saved
+    return calibrate_split(model, cfg, env, ctx, watchdog)
+
+
+def log_rank_timings(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int, sizes: list[int],
+                     accum: int, compute_s: float, wait_s: float, step_s: float, watchdog: Watchdog,
+                     said_speed: bool) -> bool:
+    """Who computed how long and who waited: the numbers behind the work split. And whether the
+    cluster is any faster than its fastest node would be alone: said at the first timing step
+    (returns True once said), loudly if it is not."""
+    mine = torch.tensor([compute_s, wait_s, step_s], dtype=torch.float64, device=env.device)
+    everyone = [torch.zeros_like(mine) for _ in range(env.world_size)]
+    with watchdog.phase("all_gather timings", step):
+        dist.all_gather(everyone, mine)
+        sync(env.device)
+    if not env.master:
+        return True
+    log(env, f"timing step {step:05d}: " + " | ".join(
+        f"rank {r}@{env.hosts[r]} compute_ms={float(t[0]) * 1000:.0f} comm_wait_ms={float(t[1]) * 1000:.0f}"
+        for r, t in enumerate(everyone)))
+    timings = [throughput.RankTiming(env.hosts[r], sizes[r] * accum * cfg.max_seq_len, *map(float, t))
+               for r, t in enumerate(everyone)]
+    est = throughput.estimate(timings, cfg.total_batch_size)
+    slower, line = throughput.verdict(est, timings, cfg.total_batch_size, sum(sizes) * cfg.max_seq_len)
+    if not said_speed:
+        log(env, line)
+    tracker.log_metrics({**{f"{k}_ms_rank{r}": float(t[i]) * 1000 for r, t in enumerate(everyone)
+                            for i, k in enumerate(("compute", "comm_wait"))},
+                         "vs_fastest_node_est": est.vs_fastest, "slower_than_one_node": float(slower)}, step)
+    return True
+
