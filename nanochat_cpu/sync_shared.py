@@ -54,7 +54,7 @@ class SharedGroup:
     layout: FlatLayout
     param_buf: torch.Tensor
     grad_all: torch.Tensor
-    state: dict[str, torch.Tensor]
+    full_state: dict[str, torch.Tensor]
     # sparse_rows groups: the rows this rank touched, which rows each rank's gradient has,
     # (world, rows) flags, and one work unit's rows to add up the touched ones in, private to
     # this rank, with the rows of it the last unit wrote (None: all of them)
@@ -99,13 +99,13 @@ class SharedMemorySync(SyncStrategy):
         # the optimizer state, since any rank may update any unit; `state` keeps this rank's static
         # slice of it, under the names and shapes the Gloo path checkpoints
         names = ["momentum"] if g.kind == "muon" else ["exp_avg", "exp_avg_sq"]
-        state = {n: self.arena.tensor(f"{g.name}.{n}", shape, dtype) for n in names}
-        mine = {n: t[self.rank * layout.shard: (self.rank + 1) * layout.shard] for n, t in state.items()}
+        full_state = {n: self.arena.tensor(f"{g.name}.{n}", shape, dtype) for n in names}
+        mine = {n: t[self.rank * layout.shard: (self.rank + 1) * layout.shard] for n, t in full_state.items()}
         if g.kind == "muon":
             g.state["momentum"] = mine["momentum"]
         else:
             g.adamw_state([mine["exp_avg"]], [(mine["exp_avg"], mine["exp_avg_sq"])])
-        s = SharedGroup(g, layout, param_buf, grad_all, state)
+        s = SharedGroup(g, layout, param_buf, grad_all, full_state)
         if g.sparse_rows:  # the backward adds its rows into the buffers
             for p, grad in zip(g.params, g.grad_views, strict=True):
                 p.grad = grad
@@ -267,10 +267,10 @@ class SharedMemorySync(SyncStrategy):
         grad = self._sum_table_rows(u) if g.sparse_rows else self._sum_dense(u)
         params = s.param_buf[u.lo: u.hi]
         if g.kind == "muon":
-            self.opt.muon(g, params, grad, s.state["momentum"][u.lo: u.hi])
+            self.opt.muon(g, params, grad, s.full_state["momentum"][u.lo: u.hi])
         else:
-            self.opt.adamw(g, [params], [grad], [s.state["exp_avg"][u.lo: u.hi]],
-                           [s.state["exp_avg_sq"][u.lo: u.hi]])
+            self.opt.adamw(g, [params], [grad], [s.full_state["exp_avg"][u.lo: u.hi]],
+                           [s.full_state["exp_avg_sq"][u.lo: u.hi]])
 
     def _sum_dense(self, u: WorkUnit) -> torch.Tensor:
         """The unit's gradient summed over ranks, in rank order whoever sums it (the same bits on
