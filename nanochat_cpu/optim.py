@@ -69,8 +69,9 @@ class Group:
     lr_multiplier: float = 1.0  # set by the schedule each step
     # the optimizer state this rank keeps and checkpoints: of its slice with N ranks
     state: dict[str, torch.Tensor] = field(default_factory=dict)
-    # set by the sync strategy: each parameter's place in its gradient buffer, where it keeps one,
-    # and the group's communication still in flight (started in the backward)
+    # set by the sync strategy, and what the tests see of it: each parameter's place in the
+    # strategy's gradient buffer (where it keeps one), and the group's communication still in
+    # flight (a reduce started from the backward's hooks)
     grad_views: list[torch.Tensor] = field(default_factory=list)
     pending: list = field(default_factory=list)
 
