@@ -135,7 +135,8 @@ def test_parameters_without_gradient_count_as_zero(world, local_comm, tmp_path):
 
 @pytest.mark.parametrize(("split", "local_comm"), [("4,2", "gloo"), ("1,2,3", "gloo"), ("1,2,3", "shm")])
 def test_uneven_token_weighted_split_equals_even_split(split, local_comm, reference, tmp_path):
-    """A fast host taking more rows per step must not change what is optimised (issue 6)."""
+    """A fast host taking more rows per step must not change what is optimised: each rank's loss is
+    weighted by its share of the global batch's tokens."""
     out = tmp_path / "params.pt"
     proc = run_torchrun(len(split.split(",")), [WORKER, "step", str(out), split], env_extra={"LOCAL_COMM": local_comm})
     assert proc.returncode == 0, proc.stdout + proc.stderr

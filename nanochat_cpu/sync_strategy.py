@@ -1,0 +1,130 @@
+"""How an optimizer step reaches every rank: the interface of the optimizer's sync strategies.
+
+`MuonAdamW` (optim.py) does the update math; a strategy decides where gradients, parameters and
+optimizer state live and what crosses between ranks around that math:
+
+- `LocalSync` (sync_local.py): one process, nothing to communicate;
+- `Zero2Sync` (sync_zero2.py): ranks through the process group (Gloo), ZeRO-2: reduce-scatter
+  the gradients, each rank updates the slice it owns, all-gather the parameters;
+- `SharedMemorySync` (sync_shared.py): every rank on one host, buffers in shared memory, a
+  queue of work units that any rank takes.
+
+A strategy is built once the groups are final (it may turn parameters into views of its own
+buffers and register gradient hooks on them) and then sees only these calls:
+
+    step()           gradients in, the update (through the optimizer's adamw/muon), parameters out
+    zero_grad()      ready the gradients for the next step
+    load_state(g, s) put a checkpointed shard of group g's optimizer state back
+
+plus `phase`, the watchdog's name for what step() waits on, and `comm_wait`, the seconds the last
+step spent blocked on communication. A strategy of another kind (local inner steps with an outer
+sync every few steps) is one more module beside these.
+
+The rest of this module is what the strategies that cut groups into per-rank slices share: the
+flat-buffer layout of a group, and putting a parameter's gradient into its place in a buffer.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .optim import Group, MuonAdamW
+
+
+class SyncStrategy:
+    """The interface `MuonAdamW` delegates to; subclasses implement step and zero_grad."""
+
+    phase = "optimizer step"  # the watchdog's name for a step() that hangs or fails
+
+    def __init__(self, opt: MuonAdamW):
+        self.opt = opt  # its groups, step count and sync_in_backward flag; its adamw and muon updates
+        self.comm_wait = 0.0  # seconds the last step spent blocked on communication (zeroed by the optimizer)
+
+    def step(self) -> None:
+        raise NotImplementedError
+
+    def zero_grad(self) -> None:
+        raise NotImplementedError
+
+    def load_state(self, g: Group, saved: dict[str, torch.Tensor]) -> None:
+        """Take a group's checkpointed state (read onto the CPU) as it is, on the parameters' device."""
+        g.state = {k: v.to(self.opt.device, copy=True) for k, v in saved.items()}
+
+
+# ---- a group as one flat buffer cut into equal per-rank slices --------------------------------
+
+@dataclass
+class FlatLayout:
+    """Where a group's parameters live in a flat buffer of `items`: one element (dense AdamW),
+    one table row (sparse AdamW) or one matrix (Muon). Each rank owns `shard` consecutive items
+    (the last slices padded: any world size works, no divisibility of the vocabulary)."""
+
+    item: tuple[int, ...]
+    numel: int  # items
+    shard: int  # items per rank
+    world_size: int
+    offsets: list[int] = field(default_factory=list)  # each parameter's first element in the buffer
+
+    @classmethod
+    def of(cls, g: Group, world_size: int) -> FlatLayout:
+        p0 = g.params[0]
+        if g.kind == "muon":
+            item, numel = tuple(p0.shape), len(g.params)
+        elif g.sparse_rows:
+            item, numel = tuple(p0.shape[1:]), sum(p.shape[0] for p in g.params)
+        else:
+            item, numel = (), sum(p.numel() for p in g.params)
+        offsets, start = [], 0
+        for p in g.params:
+            offsets.append(start)
+            start += p.numel()
+        return cls(item, numel, -(-numel // world_size), world_size, offsets)
+
+    @property
+    def item_numel(self) -> int:
+        return math.prod(self.item)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The buffer's shape: every rank's slice, padding included."""
+        return (self.shard * self.world_size, *self.item)
+
+    def owned(self, rank: int) -> int:
+        """How many real items (not padding) `rank`'s slice holds."""
+        return max(0, min(self.shard, self.numel - rank * self.shard))
+
+
+def view_into(g: Group, layout: FlatLayout, param_buf: torch.Tensor, grad_buf: torch.Tensor,
+              copy_values: bool) -> list[torch.Tensor]:
+    """Make each parameter's data its place in `param_buf` (the module then reads and trains the
+    buffer itself), its values copied in where `copy_values`; return each one's place in `grad_buf`."""
+    flat_p, flat_g, views = param_buf.view(-1), grad_buf.view(-1), []
+    for p, offset in zip(g.params, layout.offsets, strict=True):
+        n = p.numel()
+        data = flat_p[offset: offset + n].view_as(p)
+        if copy_values:
+            data.copy_(p.data)
+        p.data = data
+        views.append(flat_g[offset: offset + n].view_as(p))
+    return views
+
+
+def grad_into(p: torch.Tensor, view: torch.Tensor) -> bool:
+    """Make p.grad its buffer's `view` again, with p's gradient in it (a trainer may have set it to
+    None, which counts as zero, or autograd put a fresh tensor there); True where a dense gradient
+    of another tensor was copied in."""
+    copied = False
+    if p.grad is None:
+        view.zero_()
+    elif p.grad.is_sparse:  # .grad was None at backward time: the buffer holds stale rows
+        view.zero_().add_(p.grad)
+    elif p.grad.data_ptr() != view.data_ptr():
+        view.copy_(p.grad)
+        copied = True
+    p.grad = view
+    return copied
