@@ -59,21 +59,23 @@ def complete_steps(c: Cluster, node: str, run: Run) -> list[int]:
 
 # ---- progress ----------------------------------------------------------------------------------
 
-def last_step(c: Cluster, unit: str) -> int:
-    out = c.sh(c.master, f"journalctl -u {unit} -n 20 -o cat --no-pager", check=False)
+def last_step(c: Cluster, unit: str, since: float) -> int:
+    """The master's newest step line since `since` (a journal outlives a rerun of the same run)."""
+    # (-n with --since would give the first lines after it, not the newest)
+    out = c.sh(c.master, f"journalctl -u {unit} -o cat --no-pager --since @{since:.6f} | tail -n 20", check=False)
     found = [int(m.group(1)) for m in STEP.finditer(out)]
     return found[-1] if found else 0
 
 
 
-def wait_step(c: Cluster, unit: str, at_least: int, timeout: float) -> int:
-    return wait_for(f"step {at_least}", lambda: (s := last_step(c, unit)) >= at_least and s, timeout, every=1)
+def wait_step(c: Cluster, unit: str, at_least: int, since: float, timeout: float) -> int:
+    return wait_for(f"step {at_least}", lambda: (s := last_step(c, unit, since)) >= at_least and s, timeout, every=1)
 
 
-def wait_mid_interval(c: Cluster, unit: str, at_least: int, timeout: float = 300) -> int:
+def wait_mid_interval(c: Cluster, unit: str, at_least: int, since: float, timeout: float = 300) -> int:
     """A step >= at_least half way between two checkpoints: a fault there loses work."""
     def probe():
-        s = last_step(c, unit)
+        s = last_step(c, unit, since)
         return s if s >= at_least and 3 <= s % CHECKPOINT_EVERY <= CHECKPOINT_EVERY - 3 else None
     return wait_for(f"a step >= {at_least} between checkpoints", probe, timeout, every=0.2)
 

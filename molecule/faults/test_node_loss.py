@@ -74,7 +74,7 @@ def test_train_yml_starts_the_run(cluster: Cluster, loss_run: Progress, case_rep
     log(f"train.yml started {run.name} in {took:.0f}s")
     case_report["train_yml_s"] = round(took, 1)
     case_report["train_yml_slowest_tasks"] = slowest_tasks(out)
-    wait_step(cluster, run.unit, 3, timeout=300)
+    wait_step(cluster, run.unit, 3, run.started, timeout=300)
     lines = steps(cluster.journal(cluster.master, run.unit, run.started))
     case_report["train_yml_to_step1_s"] = round(lines[0][0] - run.started, 1)
     case_report["step_s"] = round((lines[-1][0] - lines[0][0]) / max(1, lines[-1][1] - lines[0][1]), 2)
@@ -105,7 +105,7 @@ def test_fault_mid_run(cluster: Cluster, loss_run: Progress, case_report: dict, 
         m = stop_container_and_resume(cluster, run, cluster.workers[0], loss_run.at_least, 60)
     else:
         node = cluster.workers[0] if event == "kill-worker" else cluster.master
-        wait_mid_interval(cluster, run.unit, loss_run.at_least)
+        wait_mid_interval(cluster, run.unit, loss_run.at_least, run.started)
         t0 = kill_trainer(cluster, node, run.unit)
         m = resume_after(cluster, run.unit, t0, node, timeout=300)
         check_resume(cluster, run.unit, t0, m, node, run.started)
@@ -148,7 +148,7 @@ def test_run_finishes(cluster: Cluster, loss_run: Progress, case_report: dict) -
 def stop_container_and_resume(c: Cluster, run: Run, node: str, at_least: int, away_s: float) -> dict:
     """`podman stop` of the node mid-run, `podman start` after away_s: its unit starts at boot, the run resumes."""
     unit = run.unit
-    wait_mid_interval(c, unit, at_least)
+    wait_mid_interval(c, unit, at_least, run.started)
     t0 = time.time()
     subprocess.run(["podman", "stop", c.ct(node)], check=True, capture_output=True, timeout=120)
     stopped_s = time.time() - t0
