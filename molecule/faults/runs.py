@@ -1,0 +1,194 @@
+"""The cases' tiny training runs: start, progress, resume after a fault, and a train.yml refused.
+
+A run resumed after a fault must have gone back to its last complete checkpoint (steps lost <= the
+checkpoint interval) and its redone steps must repeat the losses computed before the fault: the curve
+goes on, no reset to ln(vocab).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from dataclasses import dataclass
+
+from nodes import STEP, Cluster, first, log, show_train_failure, steps, wait_for
+
+VOCAB = 4096  # the demo tokenizer (the dataset role): a fresh model's loss is ln(4096) = 8.32
+# A tiny run: every fault case fits the CI budget on 2 cores.
+CHECKPOINT_EVERY = 10
+COLLECTIVE_TIMEOUT = 60
+RUN_VARS = {
+    "depth": 2, "max_seq_len": 64, "device_batch_size": 2, "eval_every": 0, "eval_tokens": 384,
+    "sample_every": 0, "checkpoint_every": CHECKPOINT_EVERY,
+    "train_extra_args": f"--collective-timeout {COLLECTIVE_TIMEOUT}",
+}
+
+
+@dataclass
+class Run:
+    """One case's run: train.yml's extra-vars for it and its systemd unit on every node."""
+    name: str
+    iterations: int
+    started: float = 0.0  # when its train.yml began: its journal lines are the ones after
+
+    @property
+    def unit(self) -> str:
+        return f"nanochat-train@{self.name}.service"
+
+    @property
+    def dir(self) -> str:
+        return f"/var/lib/nanochat/runs/{self.name}"
+
+    @property
+    def vars(self) -> dict:
+        return {**RUN_VARS, "run_name": self.name, "num_iterations": self.iterations}
+
+
+def clean_run(c: Cluster, run: Run) -> None:
+    """Forget an earlier attempt of this case: units, start-limit counters, checkpoints."""
+    for n in c.nodes:
+        c.sh(n, f"systemctl stop {run.unit}; systemctl reset-failed {run.unit}; rm -rf {run.dir} "
+                f"/etc/nanochat/{run.name}.env", check=False)
+
+
+def complete_steps(c: Cluster, node: str, run: Run) -> list[int]:
+    out = c.sh(node, f"ls {run.dir}/checkpoints/*/COMPLETE 2>/dev/null || true")
+    return sorted(int(m) for m in re.findall(r"step_(\d+)/COMPLETE", out))
+
+
+# ---- progress ----------------------------------------------------------------------------------
+
+def last_step(c: Cluster, unit: str, since: float) -> int:
+    """The master's newest step line since `since` (a journal outlives a rerun of the same run)."""
+    # (-n with --since would give the first lines after it, not the newest)
+    out = c.sh(c.master, f"journalctl -u {unit} -o cat --no-pager --since @{since:.6f} | tail -n 20", check=False)
+    found = [int(m.group(1)) for m in STEP.finditer(out)]
+    return found[-1] if found else 0
+
+
+
+def wait_step(c: Cluster, unit: str, at_least: int, since: float, timeout: float) -> int:
+    return wait_for(f"step {at_least}", lambda: (s := last_step(c, unit, since)) >= at_least and s, timeout, every=1)
+
+
+def wait_mid_interval(c: Cluster, unit: str, at_least: int, since: float, timeout: float = 300) -> int:
+    """A step >= at_least half way between two checkpoints: a fault there loses work."""
+    def probe():
+        s = last_step(c, unit, since)
+        return s if s >= at_least and 3 <= s % CHECKPOINT_EVERY <= CHECKPOINT_EVERY - 3 else None
+    return wait_for(f"a step >= {at_least} between checkpoints", probe, timeout, every=0.2)
+
+
+def wait_all_failed(c: Cluster, unit: str, what: str, timeout: float) -> dict[str, dict[str, str]]:
+    """Each node's unit state, once the unit is `failed` on every node."""
+    def probe():
+        got = {n: c.unit(n, unit) for n in c.nodes}
+        return got if all(u["ActiveState"] == "failed" for u in got.values()) else None
+    return wait_for(what, probe, timeout)
+
+
+def wait_active(c: Cluster, node: str, unit: str, timeout: float) -> bool:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if c.unit(node, unit).get("ActiveState") in ("active", "activating"):
+            return True
+        time.sleep(1)
+    return False
+
+
+# ---- a fault and the resume after it -----------------------------------------------------------
+
+def kill_trainer(c: Cluster, node: str, unit: str) -> float:
+    pid = c.unit(node, unit)["MainPID"]
+    workers = c.sh(node, f"pgrep -P {pid} -f nanochat_cpu.train").split()
+    assert len(workers) == 1, f"{node}: expected one trainer under torchrun {pid}, found {workers}"
+    t0 = time.time()
+    c.sh(node, f"kill -9 {workers[0]}")
+    log(f"SIGKILL {node} trainer pid {workers[0]}")
+    return t0
+
+
+def resume_after(c: Cluster, unit: str, t0: float, killed: str | None, timeout: float) -> dict:
+    """Wait until the run trains again after a fault injected at t0; measure each phase."""
+    survivors = [n for n in c.nodes if n != killed]
+    wait_for("the survivors to exit", lambda: all(
+        first(c.journal(n, unit, t0), r"FATAL|Main process exited|Failed with result") for n in survivors),
+        timeout=COLLECTIVE_TIMEOUT + 60)
+
+    def resumed():
+        lines = c.journal(c.master, unit, t0)
+        hit = first(lines, r"resumed from checkpoint step \d+")
+        if hit and steps(lines, after=hit[0]):
+            return lines
+        return None
+
+    lines = wait_for("the run to resume and train a step", resumed, timeout=timeout, every=3)
+    t_res, msg = first(lines, r"resumed from checkpoint step \d+")
+    resumed_step = int(re.search(r"step (\d+)", msg).group(1))
+    t_step, step1, loss1 = steps(lines, after=t_res)[0]
+    m = {"resumed_from": resumed_step, "resume_s": round(t_res - t0, 1), "first_step_s": round(t_step - t0, 1),
+         "first_loss_after": loss1}
+    for n in c.nodes:
+        j = c.journal(n, unit, t0)
+        fatal = first(j, r"FATAL")
+        exited = first(j, r"Main process exited|Failed with result|Deactivated|Stopped")
+        started = first(j, r"Started nanochat-train")
+        m[n] = {"fatal_s": round(fatal[0] - t0, 1) if fatal else None,
+                "fatal": fatal[1][:300] if fatal else None,
+                "exit_s": round(exited[0] - t0, 1) if exited else None,
+                "restart_s": round(started[0] - t0, 1) if started else None,
+                "restarts": int(c.unit(n, unit).get("NRestarts", "0") or 0)}
+    return m
+
+
+def check_resume(c: Cluster, unit: str, t0: float, m: dict, killed: str | None, since: float) -> None:
+    lines = c.journal(c.master, unit, since)  # this run's lines only (a journal outlives a rerun)
+    before = {s: loss for _, s, loss in steps(lines, before=t0)}
+    last_before = max(before)
+    m["last_step_before"] = last_before
+    m["steps_lost"] = last_before - m["resumed_from"]
+    assert m["resumed_from"] % CHECKPOINT_EVERY == 0, f"resumed from step {m['resumed_from']}, not a checkpoint"
+    assert 0 <= m["steps_lost"] <= CHECKPOINT_EVERY, (
+        f"lost {m['steps_lost']} steps (last step {last_before}, resumed from {m['resumed_from']}), "
+        f"more than --checkpoint-every {CHECKPOINT_EVERY}")
+    for n in c.nodes:
+        if n == killed:
+            continue
+        fatal = m[n]["fatal_s"]
+        assert fatal is not None or m[n]["exit_s"] is not None, f"{n} did not exit after the fault"
+        bound = COLLECTIVE_TIMEOUT + 30
+        assert (fatal or m[n]["exit_s"]) <= bound, (
+            f"{n} took {fatal}s to give up (bound {bound}s: --collective-timeout {COLLECTIVE_TIMEOUT} + 30)")
+    # the resumed run recomputes the lost steps: the same losses (same data, RNG, optimizer
+    # state) prove it continued the curve from the checkpoint instead of starting over
+    after = {s: loss for _, s, loss in steps(lines, after=t0)}
+    redone = [s for s in range(m["resumed_from"] + 1, last_before + 1) if s in after and s in before]
+    m["max_loss_diff_redone"] = max((abs(after[s] - before[s]) for s in redone), default=0.0)
+    assert m["max_loss_diff_redone"] < 1e-2, (
+        f"losses of the redone steps differ: {[(s, before[s], after[s]) for s in redone]}")
+    first_loss = m["first_loss_after"]
+    assert first_loss < math.log(VOCAB) - 0.3 and first_loss < before[1] - 0.3, (
+        f"loss after resume {first_loss} is back near the initial {before[1]} (ln {VOCAB} = {math.log(VOCAB):.2f})")
+
+
+# ---- a train.yml the preflight refuses ---------------------------------------------------------
+
+def refused(c: Cluster, run_vars: dict, want: str, what: str) -> dict:
+    """train.yml with `run_vars` fails saying `want`: its time and the message around it."""
+    rc, out, took = c.playbook("train.yml", run_vars)
+    assert rc != 0, f"train.yml accepted {what}"
+    # Ansible folds long messages over lines: search the output with its whitespace collapsed
+    flat = " ".join(out.split())
+    at = flat.find(want)
+    assert at >= 0, f"train.yml did not say {want!r} for {what}:\n{show_train_failure(out)}"
+    start = max(flat.rfind("msg:", 0, at), flat.rfind("Action failed:", 0, at), at - 200)
+    log(f"{what}: refused in {took:.0f}s")
+    return {"seconds": round(took, 1), "message": flat[start:at + 400]}
+
+
+def assert_no_unit_started(c: Cluster, unit: str) -> None:
+    for n in c.nodes:
+        u = c.unit(n, unit)
+        assert u.get("InvocationID", "") == "" and u.get("ActiveState") == "inactive", (
+            f"{n}: {unit} was started despite the failed preflight: {u}")

@@ -1,0 +1,149 @@
+"""Disk full and a checkpoint write cut short, on a worker whose run directory is a small tmpfs.
+
+Filled after checkpoint 10, so its write of checkpoint 20 fails: every rank stops with exit 2 naming
+that node and "No space left on device" (no restart loop), checkpoint 10 intact everywhere, the partial
+file gone. The units started again after freeing space resume from 10 with the same losses. Then the
+worker's trainer SIGKILLed while it writes its next checkpoint: the half-written step is ignored, the
+run resumes from the one before and finishes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+from nodes import Cluster, first, log, show_train_failure, start_everywhere, steps, wait_for
+from runs import (
+    CHECKPOINT_EVERY,
+    COLLECTIVE_TIMEOUT,
+    Run,
+    check_resume,
+    clean_run,
+    complete_steps,
+    resume_after,
+    wait_all_failed,
+)
+
+CASE = "checkpoint"
+pytestmark = pytest.mark.incremental  # one run throughout, each test goes on from the last
+
+
+@dataclass
+class DiskRun:
+    run: Run
+    node: str  # the worker with the small disk
+    started_again: float = 0.0  # when the units were started after space was freed
+    losses_before: dict[int, float] = field(default_factory=dict)  # the master's, before the disk filled
+    last_fault: float = 0.0  # the SIGKILL: the run's "done" lines are looked for after it
+
+
+@pytest.fixture(scope="module")
+def small_disk(cluster: Cluster) -> Iterator[DiskRun]:
+    """The last worker's run directory on a filesystem of its own (128 MiB), so it can fill up."""
+    d = DiskRun(Run("faults-disk", 60), cluster.workers[-1])
+    rundir = d.run.dir
+    cluster.sh(d.node, f"umount {rundir}", check=False)
+    clean_run(cluster, d.run)
+    cluster.sh(d.node, f"mkdir -p {rundir} && mount -t tmpfs -o size=128m,mode=0755 faults-disk {rundir} && "
+                       f"chown nanochat:nanochat {rundir}")
+    yield d
+    cluster.sh(d.node, f"systemctl stop {d.run.unit}; umount {rundir}", check=False)
+    clean_run(cluster, d.run)
+
+
+def test_full_disk_stops_every_rank_with_exit_2(cluster: Cluster, small_disk: DiskRun, case_report: dict) -> None:
+    run, node = small_disk.run, small_disk.node
+    run.started = time.time()
+    rc, out, took = cluster.playbook("train.yml", run.vars)
+    assert rc == 0, f"train.yml failed:\n{show_train_failure(out)}"
+    # once step 10's checkpoint is sealed, fill the node's disk
+    wait_for("step 10's checkpoint", lambda: 10 in complete_steps(cluster, node, run), timeout=300, every=0.2)
+    cluster.sh(node, f"dd if=/dev/zero of={run.dir}/filler bs=1M 2>/dev/null || true")
+    t0 = time.time()
+    log(f"{node}: {run.dir} filled")
+
+    ended = wait_all_failed(cluster, run.unit, "every unit to stop on the full disk", timeout=COLLECTIVE_TIMEOUT + 60)
+    full = {}
+    for n, u in ended.items():
+        # exit 2 is in RestartPreventExitStatus: a full disk needs a person, not a restart loop
+        assert u["ExecMainStatus"] == "2" and u["NRestarts"] == "0", f"{n}: expected exit 2, no restart: {u}"
+        hit = first(cluster.journal(n, run.unit, t0), r"FATAL: .*cannot write checkpoint step 20")
+        assert (hit is not None and f"@{node}: cannot write checkpoint step 20" in hit[1]
+                and "No space left on device" in hit[1] and "newest complete: 10" in hit[1]), (
+            f"{n}: no FATAL line naming {node}'s full disk: {hit}")
+        assert complete_steps(cluster, n, run)[-1:] == [10], (
+            f"{n}: newest complete checkpoint is not step 10: {complete_steps(cluster, n, run)}")
+        full[n] = round(hit[0] - t0, 1)
+    left = cluster.sh(node, f"ls -A {run.dir}/checkpoints/step_000020 2>/dev/null || true").split()
+    assert not [f for f in left if ".tmp." in f], f"{node}: the failed write left its partial file: {left}"
+    case_report["disk_full"] = {"fatal_s": full, "message": hit[1][:500], "left_in_step_20": left}
+    log(f"disk full: every rank stopped with exit 2 naming {node}: {full}")
+
+
+def test_units_started_again_resume_from_step_10(cluster: Cluster, small_disk: DiskRun, case_report: dict) -> None:
+    """The operator frees space and starts the units again (train.yml would do the same, after a
+    minute of preflight): the run resumes from step 10."""
+    run, node = small_disk.run, small_disk.node
+    cluster.sh(node, f"rm -f {run.dir}/filler")
+    small_disk.started_again = t_again = time.time()
+    start_everywhere(cluster, f"systemctl reset-failed {run.unit}; systemctl start {run.unit}")
+    lines = wait_for("the run to resume", lambda: (j := cluster.journal(cluster.master, run.unit, t_again))
+                     and first(j, r"resumed from checkpoint step 10") and steps(j) and j, timeout=300, every=2)
+    case_report["disk_full"]["resumed_s_after_start"] = round(first(lines, r"resumed from")[0] - t_again, 1)
+    small_disk.losses_before = {s: loss for _, s, loss in steps(cluster.journal(cluster.master, run.unit, run.started),
+                                                                before=t_again)}
+
+
+def test_sigkill_mid_write_resumes_from_the_one_before(cluster: Cluster, small_disk: DiskRun,
+                                                       case_report: dict) -> None:
+    """A watcher on the node polls for the temporary file of a checkpoint write (it exists ~50 ms of
+    each 0.1-s save) and SIGKILLs the node's trainer when it sees one."""
+    run, node = small_disk.run, small_disk.node
+    pid = cluster.unit(node, run.unit)["MainPID"]
+    trainer = cluster.sh(node, f"pgrep -P {pid} -f nanochat_cpu.train").split()[0]
+    watcher = (f"import glob, os, time\nend = time.time() + 120\n"
+               f"while time.time() < end:\n"
+               f"    hits = glob.glob('{run.dir}/checkpoints/step_*/*.tmp.*')\n"
+               f"    if hits:\n        os.kill({trainer}, 9)\n        print(' '.join(hits))\n        break\n")
+    killed = cluster.sh(node, f"python3 -c \"{watcher}\"", timeout=150).strip()
+    small_disk.last_fault = t0 = time.time()
+    assert killed != "", f"{node}: never saw a checkpoint being written"
+    killed_step = int(re.search(r"step_(\d+)/", killed).group(1))
+    left = cluster.sh(node, f"ls -A {run.dir}/checkpoints/step_{killed_step:06d}").split()
+    log(f"SIGKILL {node} trainer {trainer} while writing {killed}; left {left}")
+    assert "COMPLETE" not in left, f"{node}: step {killed_step} sealed despite the kill: {left}"
+    m = resume_after(cluster, run.unit, t0, node, timeout=300)
+    check_resume(cluster, run.unit, t0, m, node, run.started)
+    assert m["resumed_from"] == killed_step - CHECKPOINT_EVERY, (
+        f"resumed from {m['resumed_from']}, expected the last complete step {killed_step - CHECKPOINT_EVERY}")
+    case_report["sigkill_mid_write"] = {"writing": killed, "left": left,
+                                        **{k: v for k, v in m.items() if k not in cluster.nodes}}
+
+
+def test_steps_redone_after_the_full_disk_match(cluster: Cluster, small_disk: DiskRun, case_report: dict) -> None:
+    before = small_disk.losses_before
+    after = {s: loss for _, s, loss in steps(cluster.journal(cluster.master, small_disk.run.unit,
+                                                             small_disk.started_again))}
+    redone = [s for s in range(11, 21) if s in before and s in after]
+    diff = max((abs(before[s] - after[s]) for s in redone), default=math.inf)
+    assert diff < 1e-2, f"the steps redone after the disk-full stop differ: {before} vs {after}"
+    case_report["disk_full"]["max_loss_diff_redone"] = diff
+
+
+def test_run_finishes(cluster: Cluster, small_disk: DiskRun, case_report: dict) -> None:
+    run = small_disk.run
+
+    def finished():
+        return all(cluster.unit(n, run.unit)["ActiveState"] == "inactive" and
+                   first(cluster.journal(n, run.unit, small_disk.last_fault), rf"done: {run.iterations} steps")
+                   for n in cluster.nodes)
+    wait_for(f"the run to finish step {run.iterations}", finished, timeout=400, every=3)
+    for n in cluster.nodes:
+        assert run.iterations in complete_steps(cluster, n, run), (
+            f"{n}: no complete checkpoint for step {run.iterations}")
+    log(f"checkpoint case: {json.dumps(case_report)[:600]}")

@@ -1,0 +1,181 @@
+"""Node loss: one run, four faults in turn.
+
+train.yml again while it runs (refused, the run goes on), then the FAULTS_EVENTS faults, in order
+(default all three): SIGKILL of a worker's trainer, a worker container stopped for 60 s, SIGKILL of
+the master's trainer. After each: the survivors exit, systemd restarts the units, the run resumes from
+the last complete checkpoint (steps lost <= the checkpoint interval), its losses repeat the ones
+computed before the fault (the curve goes on, no reset to ln(vocab)), and in the end it reaches its
+final step. The finished run stays on the nodes: the drift and inputs cases use it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from dataclasses import dataclass
+
+import pytest
+from nodes import Cluster, first, log, show_train_failure, steps, wait_for
+from runs import (
+    CHECKPOINT_EVERY,
+    Run,
+    check_resume,
+    clean_run,
+    kill_trainer,
+    resume_after,
+    wait_active,
+    wait_mid_interval,
+    wait_step,
+)
+
+CASE = "node-loss"
+pytestmark = pytest.mark.incremental  # one run throughout: a fault it did not recover from spoils the rest
+
+EVENTS = ("kill-worker", "stop-worker", "kill-master")
+ITERATIONS = 150  # ~0.3 s a step: still running after the refused train.yml and three faults
+
+
+def chosen_events() -> list[str]:
+    """FAULTS_EVENTS: the faults, in order, comma-separated (FAULTS_EVENTS=kill-worker keeps only the first)."""
+    events = [e for e in os.environ.get("FAULTS_EVENTS", "").split(",") if e] or list(EVENTS)
+    bad = set(events) - set(EVENTS)
+    if bad:
+        raise pytest.UsageError(f"unknown FAULTS_EVENTS {sorted(bad)}; choose from {', '.join(EVENTS)}")
+    return events
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "event" in metafunc.fixturenames:
+        metafunc.parametrize("event", chosen_events())
+
+
+@dataclass
+class Progress:
+    run: Run
+    at_least: int = CHECKPOINT_EVERY  # the next fault waits for this step: a checkpoint past the last resume
+    last_fault: float = 0.0  # the run's "done" lines are looked for after it
+
+
+@pytest.fixture(scope="module")
+def loss_run(cluster: Cluster) -> Progress:
+    run = Run("faults-loss", ITERATIONS)
+    clean_run(cluster, run)
+    return Progress(run)
+
+
+def test_train_yml_starts_the_run(cluster: Cluster, loss_run: Progress, case_report: dict) -> None:
+    run = loss_run.run
+    run.started = loss_run.last_fault = time.time()
+    rc, out, took = cluster.playbook("train.yml", run.vars)
+    assert rc == 0, f"train.yml failed:\n{show_train_failure(out)}"
+    log(f"train.yml started {run.name} in {took:.0f}s")
+    case_report["train_yml_s"] = round(took, 1)
+    case_report["train_yml_slowest_tasks"] = slowest_tasks(out)
+    wait_step(cluster, run.unit, 3, run.started, timeout=300)
+    lines = steps(cluster.journal(cluster.master, run.unit, run.started))
+    case_report["train_yml_to_step1_s"] = round(lines[0][0] - run.started, 1)
+    case_report["step_s"] = round((lines[-1][0] - lines[0][0]) / max(1, lines[-1][1] - lines[0][1]), 2)
+
+
+def test_second_train_yml_is_refused(cluster: Cluster, loss_run: Progress, case_report: dict) -> None:
+    """train.yml again while the run is active: refused, the run untouched."""
+    unit = loss_run.run.unit
+    before = {n: (cluster.unit(n, unit)["InvocationID"], cluster.trainers(n)) for n in cluster.nodes}
+    rc, out, took = cluster.playbook("train.yml", loss_run.run.vars)
+    assert rc != 0, "a second train.yml during the run was not refused"
+    assert "A training run is active on" in out and "restart=true" in out, (
+        f"the refusal does not name the run and the way out:\n{show_train_failure(out)}")
+    after = {n: (cluster.unit(n, unit)["InvocationID"], cluster.trainers(n)) for n in cluster.nodes}
+    assert after == before, f"the refused train.yml changed the running units: {before} -> {after}"
+    assert all(len(p) == 1 for _, p in after.values()), f"not exactly one trainer per node: {after}"
+    case_report["rerun_refused"] = {
+        "seconds": round(took, 1),
+        "message": next((ln.strip() for ln in out.splitlines() if "A training run is active" in ln), "")[:400]}
+    log(f"second train.yml refused in {took:.0f}s; units untouched")
+
+
+def test_fault_mid_run(cluster: Cluster, loss_run: Progress, case_report: dict, event: str) -> None:
+    """One fault, once the run has passed another checkpoint: the run resumes from the last one."""
+    run = loss_run.run
+    loss_run.last_fault = time.time()
+    if event == "stop-worker":
+        m = stop_container_and_resume(cluster, run, cluster.workers[0], loss_run.at_least, 60)
+    else:
+        node = cluster.workers[0] if event == "kill-worker" else cluster.master
+        wait_mid_interval(cluster, run.unit, loss_run.at_least, run.started)
+        t0 = kill_trainer(cluster, node, run.unit)
+        m = resume_after(cluster, run.unit, t0, node, timeout=300)
+        check_resume(cluster, run.unit, t0, m, node, run.started)
+    case_report[event] = m
+    loss_run.at_least = m["resumed_from"] + CHECKPOINT_EVERY
+    log(f"{event}: " + json.dumps({k: v for k, v in m.items() if k not in cluster.nodes}))
+    assert loss_run.at_least < run.iterations - CHECKPOINT_EVERY, (
+        f"the run is too short for the next fault ({run.iterations} steps)")
+
+
+def test_run_finishes(cluster: Cluster, loss_run: Progress, case_report: dict) -> None:
+    """Every node done, units ended cleanly, the final checkpoint complete."""
+    run, iters = loss_run.run, loss_run.run.iterations
+
+    def finished():
+        return all(first(cluster.journal(n, run.unit, loss_run.last_fault), rf"done: {iters} steps")
+                   for n in cluster.nodes) and all(
+            cluster.unit(n, run.unit)["ActiveState"] in ("inactive", "failed") for n in cluster.nodes)
+    wait_for(f"every node to finish step {iters}", finished, timeout=600, every=3)
+    for n in cluster.nodes:
+        u = cluster.unit(n, run.unit)
+        assert u["ActiveState"] == "inactive" and u["Result"] == "success", f"{n}: {run.unit} ended {u}"
+        # a finished run disables itself: it must not start alone at the next boot
+        assert u["UnitFileState"] == "disabled", (
+            f"{n}: {run.unit} is still {u['UnitFileState']} after the run finished")
+        ck = cluster.sh(n, f"cat {run.dir}/checkpoints/step_{iters:06d}/COMPLETE", check=False)
+        assert f'"step": {iters}' in ck, f"{n}: no complete checkpoint for step {iters}"
+        starts = len([1 for _, msg in cluster.journal(n, run.unit, run.started)
+                      if msg.startswith("Started nanochat-train")])
+        assert starts <= 5, f"{n}: {starts} starts, StartLimitBurst is 5"
+        case_report.setdefault("final", {})[f"{n}_starts"] = starts
+    losses = steps(cluster.journal(cluster.master, run.unit, run.started))
+    case_report["final"].update(final_step=losses[-1][1], final_loss=losses[-1][2], initial_loss=losses[0][2],
+                                wall_s=round(losses[-1][0] - run.started, 1))
+    log(f"run finished: {json.dumps(case_report['final'])}")
+
+
+# ---- the container stop ------------------------------------------------------------------------
+
+def stop_container_and_resume(c: Cluster, run: Run, node: str, at_least: int, away_s: float) -> dict:
+    """`podman stop` of the node mid-run, `podman start` after away_s: its unit starts at boot, the run resumes."""
+    unit = run.unit
+    wait_mid_interval(c, unit, at_least, run.started)
+    t0 = time.time()
+    subprocess.run(["podman", "stop", c.ct(node)], check=True, capture_output=True, timeout=120)
+    stopped_s = time.time() - t0
+    log(f"podman stop {c.ct(node)} took {stopped_s:.1f}s")
+    time.sleep(max(0.0, away_s - 10 - (time.time() - t0)))
+    # while it is away the survivors have restarted and wait for it in torchrun's rendezvous
+    away = {n: c.unit(n, unit) for n in c.nodes if n != node}
+    time.sleep(max(0.0, away_s - (time.time() - t0)))
+    subprocess.run(["podman", "start", c.ct(node)], check=True, capture_output=True, timeout=120)
+    t_back = time.time()
+    c.sh(node, "timeout 120 systemctl is-system-running --wait", check=False)
+    autostart = wait_active(c, node, unit, 20)
+    extra = {"container_stop_s": round(stopped_s, 1), "back_after_s": round(t_back - t0, 1),
+             "unit_file_state": c.unit(node, unit).get("UnitFileState"), "autostart": autostart,
+             "survivors_while_away": {n: f"{u['ActiveState']}/{u['SubState']}" for n, u in away.items()}}
+    for n, u in away.items():
+        assert u["ActiveState"] in ("active", "activating"), f"{n} gave up while {node} was away: {u}"
+    # train.yml enabled the run's instance: the node rejoins at boot, nobody starts it by hand
+    assert autostart, (f"{node}'s {unit} did not start when the node came back "
+                       f"(UnitFileState={extra['unit_file_state']}): the unit must be enabled for the run")
+    m = resume_after(c, unit, t0, node, timeout=420)
+    m.update(extra)
+    check_resume(c, unit, t0, m, node, run.started)
+    return m
+
+
+def slowest_tasks(out: str, n: int = 6) -> list[str]:
+    """profile_tasks' summary lines ('role : task ---- 12.34s'), slowest first."""
+    found = re.findall(r"^(\S.*?) -{2,} ([0-9.]+)s$", out, flags=re.MULTILINE)
+    return [f"{name.strip()} {float(sec):.0f}s" for name, sec in found[:n]]
