@@ -3,7 +3,9 @@
 `--max-seq-len` on the command line is `max_seq_len` here. The parser is generated from the
 dataclass so the two can never drift apart. Validation that needs no process group (batch
 arithmetic, ranges, paths) happens here, before rendezvous, so a bad value fails every rank
-at once with a message instead of leaving some rank waiting in a collective.
+at once with a message instead of leaving some rank waiting in a collective. train.yml runs the
+same parser and checks on the controller (`python -m nanochat_cpu.config check`, at the end), so
+this module imports no torch.
 """
 
 from __future__ import annotations
@@ -121,8 +123,8 @@ class ConfigError(ValueError):
         self.field, self.value, self.problem, self.valid = field, str(value), problem, list(valid)
 
 
-def flag_problem(name: str, value: object, problem: str, valid: list[Any] | tuple[Any, ...] = ()) -> ConfigError:
-    return ConfigError(f"--{name.replace('_', '-')}={value}: {problem}", name, value, problem, valid)
+def flag_problem(name: str, value: object, problem: str) -> ConfigError:
+    return ConfigError(f"--{name.replace('_', '-')}={value}: {problem}", name, value, problem)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -291,9 +293,9 @@ def check(argv: list[str], world_size: int) -> dict[str, Any]:
         error = exc
     else:
         return {"ok": True}
-    field = {f.name: f for f in dataclasses.fields(TrainConfig)}.get(error.field)
+    spec = {f.name: f for f in dataclasses.fields(TrainConfig)}.get(error.field)
     return {"ok": False, "message": str(error), "field": error.field, "value": error.value,
-            "problem": error.problem, "valid": error.valid, "help": field.metadata.get("help", "") if field else ""}
+            "problem": error.problem, "valid": error.valid, "help": spec.metadata.get("help", "") if spec else ""}
 
 
 def parser_problem(exc: argparse.ArgumentError, argv: list[str]) -> ConfigError:

@@ -1,9 +1,11 @@
 """Repository hygiene for the Ansible side: roles, playbooks, inventory, lint.
 
-Runs without any node: every role is complete and documented (README, defaults and argument
-specs with exactly the same option names), every module is named by FQCN, every playbook passes
---syntax-check, yamllint and ansible-lint (production profile) pass, the interface filter picks
-the right NIC, and a bad train.yml extra-var ends the playbook before any node play starts.
+Runs without any node: every role is complete (a task file per entry point; defaults and argument
+specs with exactly the same option names, each read somewhere) and its README follows one outline,
+every module is named by FQCN, every playbook passes --syntax-check, yamllint and ansible-lint
+(production profile) pass, the interface filter picks the right NIC, a bad train.yml extra-var ends
+the playbook before any node play starts, and the trainer's own check it runs on the controller
+(python -m nanochat_cpu.config check) needs no torch.
 """
 
 from __future__ import annotations
