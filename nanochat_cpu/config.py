@@ -3,7 +3,9 @@
 `--max-seq-len` on the command line is `max_seq_len` here. The parser is generated from the
 dataclass so the two can never drift apart. Validation that needs no process group (batch
 arithmetic, ranges, paths) happens here, before rendezvous, so a bad value fails every rank
-at once with a message instead of leaving some rank waiting in a collective.
+at once with a message instead of leaving some rank waiting in a collective. train.yml runs the
+same parser and checks on the controller (`python -m nanochat_cpu.config check`, at the end), so
+this module imports no torch.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,7 +110,21 @@ class TrainConfig:
 
 
 class ConfigError(ValueError):
-    """A configuration problem, reported before any rank joins a collective."""
+    """A configuration problem, reported before any rank joins a collective.
+
+    Besides the message, its parts where there are any: the field, the value as given, the
+    problem, and the valid values where they can be listed. train.yml's check on the controller
+    uses them to name the extra-var that set the flag.
+    """
+
+    def __init__(self, message: str, field: str = "", value: object = "", problem: str = "",
+                 valid: list[Any] | tuple[Any, ...] = ()) -> None:
+        super().__init__(message)
+        self.field, self.value, self.problem, self.valid = field, str(value), problem, list(valid)
+
+
+def flag_problem(name: str, value: object, problem: str) -> ConfigError:
+    return ConfigError(f"--{name.replace('_', '-')}={value}: {problem}", name, value, problem)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -139,35 +156,39 @@ def nearest_valid_totals(unit: int, total: int) -> tuple[int, int]:
     return below, above
 
 
+# Fields that must be positive integers: validate() checks them, and the controller's check says
+# the same of a value that is not even an integer.
+POSITIVE_FIELDS = ("depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size",
+                   "total_batch_size", "num_iterations", "eval_tokens", "keep_checkpoints")
+
+
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Raise ConfigError naming the value and the fix (the log line adds the host)."""
-    positive = ("depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size",
-                "total_batch_size", "num_iterations", "eval_tokens", "keep_checkpoints")
-    for name in positive:
+    for name in POSITIVE_FIELDS:
         value = getattr(cfg, name)
         if value <= 0:
-            raise ConfigError(f"--{name.replace('_', '-')}={value}: must be a positive integer")
+            raise flag_problem(name, value, "must be a positive integer")
     for name in ("eval_every", "sample_every", "checkpoint_every", "checksum_every"):
         if getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')}={getattr(cfg, name)}: must be >= 0")
+            raise flag_problem(name, getattr(cfg, name), "must be >= 0")
     for f in dataclasses.fields(cfg):  # nan/inf pass every comparison below: reject them first
         value = getattr(cfg, f.name)
         if isinstance(value, float) and not math.isfinite(value):
-            raise ConfigError(f"--{f.name.replace('_', '-')}={value}: must be a finite number")
+            raise flag_problem(f.name, value, "must be a finite number")
     if cfg.collective_timeout <= 0:
-        raise ConfigError(f"--collective-timeout={cfg.collective_timeout}: must be > 0 seconds")
+        raise flag_problem("collective_timeout", cfg.collective_timeout, "must be > 0 seconds")
     for name in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay"):
         if getattr(cfg, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')}={getattr(cfg, name)}: must be >= 0")
+            raise flag_problem(name, getattr(cfg, name), "must be >= 0")
     if cfg.seed < 0:
-        raise ConfigError(f"--seed={cfg.seed}: must be >= 0")
+        raise flag_problem("seed", cfg.seed, "must be >= 0")
     for name in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):
         if not 0.0 <= getattr(cfg, name) <= 1.0:
-            raise ConfigError(f"--{name.replace('_', '-')}={getattr(cfg, name)}: must be in [0, 1]")
+            raise flag_problem(name, getattr(cfg, name), "must be in [0, 1]")
     if cfg.warmup_ratio + cfg.warmdown_ratio > 1.0:
         raise ConfigError(f"--warmup-ratio + --warmdown-ratio = {cfg.warmup_ratio + cfg.warmdown_ratio} > 1")
     if not cfg.window_pattern or set(cfg.window_pattern) - {"S", "L"}:
-        raise ConfigError(f"--window-pattern={cfg.window_pattern!r}: use only the letters S and L, e.g. SSSL")
+        raise flag_problem("window_pattern", repr(cfg.window_pattern), "use only the letters S and L, e.g. SSSL")
     sizes = explicit_rank_batch_sizes(cfg, world_size)
     if sizes is not None:
         unit = sum(sizes) * cfg.max_seq_len
@@ -177,10 +198,11 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         explain = (f"device_batch_size x max_seq_len x world_size = {cfg.device_batch_size} x {cfg.max_seq_len} x "
                    f"{world_size} = {unit}")
     if cfg.total_batch_size % unit:
-        below, above = nearest_valid_totals(unit, cfg.total_batch_size)
+        problem = f"is not divisible by {explain}"
+        nearest = sorted(set(nearest_valid_totals(unit, cfg.total_batch_size)))
         raise ConfigError(
-            f"--total-batch-size={cfg.total_batch_size} is not divisible by {explain}. "
-            f"{suggest(cfg, unit, sizes is None, world_size)}"
+            f"--total-batch-size={cfg.total_batch_size} {problem}. {suggest(cfg, unit, sizes is None, world_size)}",
+            "total_batch_size", cfg.total_batch_size, problem, nearest,
         )
 
 
@@ -249,3 +271,65 @@ def config_hash(cfg: TrainConfig) -> str:
     """Hash of the fields that must agree on every rank (paths and logging excluded)."""
     shared = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_HOST_FIELDS}
     return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()
+
+
+# ---- python -m nanochat_cpu.config check <trainer flags> ----------------------------------
+# train.yml runs this on the controller before any node is contacted: the trainer's own parser and
+# validate(), so the playbook never keeps a second copy of the rules. This module imports no torch:
+# the controller needs only the checkout.
+
+def check(argv: list[str], world_size: int) -> dict[str, Any]:
+    """The verdict on trainer flags: {"ok": True}, or the problem with its parts (see ConfigError)."""
+    parser = build_parser()
+    parser.exit_on_error = False  # type and choice errors come back as exceptions, to be reported in parts
+    try:
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            raise ConfigError(f"unrecognized arguments: {' '.join(unknown)}")
+        validate(TrainConfig(**vars(args)), world_size)
+    except argparse.ArgumentError as exc:
+        error = parser_problem(exc, argv)
+    except ConfigError as exc:
+        error = exc
+    else:
+        return {"ok": True}
+    spec = {f.name: f for f in dataclasses.fields(TrainConfig)}.get(error.field)
+    return {"ok": False, "message": str(error), "field": error.field, "value": error.value,
+            "problem": error.problem, "valid": error.valid, "help": spec.metadata.get("help", "") if spec else ""}
+
+
+def parser_problem(exc: argparse.ArgumentError, argv: list[str]) -> ConfigError:
+    """argparse's complaint (a value of the wrong type, or not one of the choices) in ConfigError's parts."""
+    flag = exc.argument_name or ""
+    fields = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(TrainConfig)}
+    if flag not in fields:
+        return ConfigError(str(exc))
+    f = fields[flag]
+    choices = f.metadata.get("choices", ())
+    if choices:
+        problem = "must be one of: " + ", ".join(choices)
+    elif f.name in POSITIVE_FIELDS:
+        problem = "must be a positive integer"
+    else:
+        problem = "must be an integer" if f.type in ("int", int) else "must be a number"
+    given = [arg for i, arg in enumerate(argv[1:]) if argv[i] == flag]  # the value after the flag
+    return ConfigError(str(exc), f.name, given[-1] if given else "", problem, choices)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] != ["check"]:
+        print("usage: python -m nanochat_cpu.config check <trainer flags>  (WORLD_SIZE from the environment)\n"
+              "prints one JSON line; exit 0 when the trainer would accept the flags, 2 with the problem",
+              file=sys.stderr)
+        return 2
+    verdict = check(argv[1:], world_size_from_env())
+    print(json.dumps(verdict))
+    if not verdict["ok"]:
+        print(verdict["message"], file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,14 +1,17 @@
 """Repository hygiene for the Ansible side: roles, playbooks, inventory, lint.
 
-Runs without any node: every role is complete and documented (README, defaults and argument
-specs with exactly the same option names), every module is named by FQCN, every playbook passes
---syntax-check, yamllint and ansible-lint (production profile) pass, the interface filter picks
-the right NIC, and a bad train.yml extra-var ends the playbook before any node play starts.
+Runs without any node: every role is complete (a task file per entry point; defaults and argument
+specs with exactly the same option names, each read somewhere) and its README follows one outline,
+every module is named by FQCN, every playbook passes --syntax-check, yamllint and ansible-lint
+(production profile) pass, the interface filter picks the right NIC, a bad train.yml extra-var ends
+the playbook before any node play starts, and the trainer's own check it runs on the controller
+(python -m nanochat_cpu.config check) needs no torch.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -58,22 +61,29 @@ def test_the_architecture_roles_exist() -> None:
     assert EXPECTED_ROLES <= set(ROLES)
 
 
+def entry_points(role: str) -> dict:
+    return load(ROLES_DIR / role / "meta/argument_specs.yml")["argument_specs"]
+
+
 @pytest.mark.parametrize("role", ROLES)
 def test_role_is_complete(role: str) -> None:
+    """A role is used whole (tasks/main.yml) or through task files: each an entry point of its arg specs."""
     base = ROLES_DIR / role
-    for rel in ("README.md", "defaults/main.yml", "meta/argument_specs.yml", "meta/main.yml", "tasks/main.yml"):
+    for rel in ("README.md", "defaults/main.yml", "meta/argument_specs.yml", "meta/main.yml"):
         assert (base / rel).is_file(), f"roles/{role}/{rel} is missing"
+    assert entry_points(role), f"roles/{role}: argument_specs names no entry point"
+    for entry in entry_points(role):
+        assert (base / "tasks" / f"{entry}.yml").is_file(), f"roles/{role}: entry point {entry} lacks its task file"
     readme = (base / "README.md").read_text()
     assert readme.startswith(f"# {role}"), f"roles/{role}/README.md must start with '# {role}'"
 
 
 @pytest.mark.parametrize("role", ROLES)
 def test_defaults_and_argument_specs_name_the_same_options(role: str) -> None:
+    """Every default is an option of some entry point, every option has a default and is used."""
     defaults = load(ROLES_DIR / role / "defaults/main.yml") or {}
-    specs = load(ROLES_DIR / role / "meta/argument_specs.yml")["argument_specs"]
-    assert "main" in specs, f"roles/{role}: argument_specs has no 'main' entry point"
     spec_names: set[str] = set()
-    for entry, spec in specs.items():
+    for entry, spec in entry_points(role).items():
         options = spec.get("options") or {}
         for name, option in options.items():
             assert option.get("description"), f"roles/{role}: {entry}.{name} has no description"
@@ -85,11 +95,28 @@ def test_defaults_and_argument_specs_name_the_same_options(role: str) -> None:
     )
     for name in defaults:
         assert name.startswith(role + "_"), f"roles/{role}: option {name} lacks the role prefix"
+    used = "".join(p.read_text() for sub in ("tasks", "templates", "handlers")
+                   for p in sorted((ROLES_DIR / role / sub).glob("*")))
+    unused = sorted(name for name in defaults if name not in used)
+    assert not unused, f"roles/{role}: options no task, template or handler reads: {unused}"
+
+
+README_SECTIONS = ("## Variables", "## Example", "## What it changes on the node")
+
+
+@pytest.mark.parametrize("role", ROLES)
+def test_readme_follows_the_outline(role: str) -> None:
+    """What it does, variables (in meta/argument_specs.yml, not copied), an example, what it changes."""
     readme = (ROLES_DIR / role / "README.md").read_text()
-    for name in defaults:
-        if name.startswith("cluster_facts_"):
-            continue  # documented by the inventory variable each maps (README + docs/INVENTORY.md)
-        assert name in readme, f"roles/{role}/README.md does not document {name}"
+    missing = [section for section in README_SECTIONS if section not in readme]
+    assert not missing, f"roles/{role}/README.md lacks {missing}"
+    positions = [readme.find(section) for section in README_SECTIONS]
+    assert positions == sorted(positions), f"roles/{role}/README.md: sections out of order"
+    assert "meta/argument_specs.yml" in readme, f"roles/{role}/README.md does not point at meta/argument_specs.yml"
+    if not (ROLES_DIR / role / "tasks/main.yml").is_file():  # used through task files: list them
+        for entry in entry_points(role):
+            assert f"`{entry}.yml`" in readme.split("## Task files", 1)[-1], (
+                f"roles/{role}/README.md: no '## Task files' entry for {entry}.yml")
 
 
 # ---- FQCN --------------------------------------------------------------------------------
@@ -182,7 +209,6 @@ def _inventory(path: str) -> dict:
     res = subprocess.run([tool("ansible-inventory"), "-i", path, "--list"], cwd=ROOT, env=env(),
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
-    import json
 
     return json.loads(res.stdout)
 
@@ -305,14 +331,15 @@ def test_bad_extra_vars_fail_before_any_node_play(tmp_path: Path, extra: list[st
     assert "UNREACHABLE" not in out
 
 
-def run_config_on_localhost(tmp_path: Path, rows: dict[str, object], *extra: str) -> subprocess.CompletedProcess:
-    """Only the run_config role (no node is contacted), the example inventory plus per-host train_rows."""
+def run_validate_on_localhost(tmp_path: Path, rows: dict[str, object], *extra: str) -> subprocess.CompletedProcess:
+    """Only the run role's validate (no node is contacted), the example inventory plus per-host train_rows."""
     (tmp_path / "localhost.yml").write_text(LOCALHOST_INV)
     (tmp_path / "rows.yml").write_text("all:\n  hosts:\n" + "".join(
         f"    {host}: {{train_rows: {value}}}\n" for host, value in rows.items()))
     (tmp_path / "show.yml").write_text(
-        "- hosts: localhost\n  gather_facts: false\n  roles: [run_config]\n"
-        "  tasks:\n    - ansible.builtin.copy:\n        content: '{{ run_config_train_args | trim }}'\n"
+        "- hosts: localhost\n  gather_facts: false\n"
+        "  tasks:\n    - ansible.builtin.import_role:\n        name: run\n        tasks_from: validate\n"
+        "    - ansible.builtin.copy:\n        content: '{{ run_config_train_args | trim }}'\n"
         f"        dest: {tmp_path / 'train_args'}\n        mode: '0644'\n")
     return subprocess.run(
         [tool("ansible-playbook"), "-i", "inventory/example", "-i", str(tmp_path / "localhost.yml"), "-i",
@@ -324,7 +351,7 @@ def run_config_on_localhost(tmp_path: Path, rows: dict[str, object], *extra: str
 @pytest.mark.parametrize(
     ("extra", "flag"),
     [
-        (["-e", "work_split=auto"], "--rank-batch-sizes auto"),  # measured at start (issue 6)
+        (["-e", "work_split=auto"], "--rank-batch-sizes auto"),  # measured at start
         (["-e", "work_split=inventory", "-e", "total_batch_size=8192"], "--rank-batch-sizes 3,1"),
         ([], "--rank-batch-sizes auto"),  # the default
         (["-e", "work_split=even"], None),
@@ -334,7 +361,7 @@ def test_work_split_reaches_the_trainer_flags(tmp_path: Path, extra: list[str], 
     # the extra trainer flags must land on the same line as the rest: the env file's TRAIN_ARGS ends
     # at the first line break (a run then trained without its paths: every rank refused
     # --data-dir=data)
-    res = run_config_on_localhost(tmp_path, {"workstation": 3, "laptop": 1}, *extra,
+    res = run_validate_on_localhost(tmp_path, {"workstation": 3, "laptop": 1}, *extra,
                                   "-e", "train_extra_args='--collective-timeout 60'")
     out = res.stdout + res.stderr
     assert res.returncode == 0, out
@@ -348,12 +375,68 @@ def test_work_split_reaches_the_trainer_flags(tmp_path: Path, extra: list[str], 
 
 
 def test_work_split_from_the_inventory_is_checked_per_host(tmp_path: Path) -> None:
-    res = run_config_on_localhost(tmp_path, {"workstation": 3, "laptop": 0}, "-e", "work_split=inventory")
+    res = run_validate_on_localhost(tmp_path, {"workstation": 3, "laptop": 0}, "-e", "work_split=inventory")
     assert res.returncode != 0
     assert "laptop: train_rows=0 must be a positive integer" in res.stdout
-    res = run_config_on_localhost(tmp_path, {"workstation": 3, "laptop": 1}, "-e", "work_split=inventory",
+    res = run_validate_on_localhost(tmp_path, {"workstation": 3, "laptop": 1}, "-e", "work_split=inventory",
                                   "-e", "total_batch_size=1000", "-e", "max_seq_len=256")
     out = " ".join(res.stdout.split())
     assert res.returncode != 0
     assert "the sum of every rank's train_rows x max_seq_len = 3+1 x 256 = 1024" in out, out
     assert "Nearest valid total_batch_size: 1024 (-e total_batch_size=1024)" in out, out
+
+
+# ---- the trainer's own check of the flags, on the controller ---------------------------------------
+
+def config_check(*flags: str) -> subprocess.CompletedProcess:
+    """`python -m nanochat_cpu.config check` as validate runs it, in a Python where torch cannot be imported."""
+    code = ("import runpy, sys; sys.modules['torch'] = None; "
+            "runpy.run_module('nanochat_cpu.config', run_name='__main__')")
+    return subprocess.run([sys.executable, "-c", code, "check", *flags], cwd=ROOT,
+                          env={**env(), "WORLD_SIZE": "2", "PYTHONPATH": str(ROOT)},
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_config_imports_no_torch() -> None:
+    """The controller has the checkout, not necessarily torch: nanochat_cpu.config must never need it."""
+    res = subprocess.run([sys.executable, "-c", "import sys, nanochat_cpu.config; "
+                          "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"],
+                         cwd=ROOT, env={**env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "[]", res.stdout
+
+
+def test_config_check_accepts_the_flags_the_trainer_accepts() -> None:
+    res = config_check("--depth", "2", "--total-batch-size", "2048")
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout) == {"ok": True}
+
+
+def test_config_check_reports_validate_s_own_message_in_parts() -> None:
+    from nanochat_cpu import config
+
+    res = config_check("--total-batch-size", "1000")
+    verdict = json.loads(res.stdout)
+    with pytest.raises(config.ConfigError) as raised:
+        config.validate(config.parse_config(["--total-batch-size", "1000"]), world_size=2)
+    assert res.returncode == 2
+    assert verdict["message"] == str(raised.value) and str(raised.value) in res.stderr
+    assert (verdict["ok"], verdict["field"], verdict["value"], verdict["valid"]) == (False, "total_batch_size", "1000",
+                                                                                      [2048])
+
+
+@pytest.mark.parametrize(
+    ("flags", "field", "problem"),
+    [
+        (["--depth", "eight"], "depth", "must be a positive integer"),
+        (["--dtype", "fp16"], "dtype", "must be one of: auto, float32, bfloat16"),
+        (["--seed", "-1"], "seed", "must be >= 0"),
+        (["--bogus", "1"], "", ""),
+    ],
+)
+def test_config_check_names_the_field_of_a_parser_or_range_problem(flags: list[str], field: str, problem: str) -> None:
+    res = config_check(*flags)
+    verdict = json.loads(res.stdout)
+    assert res.returncode == 2, res.stdout
+    assert (verdict["field"], verdict["problem"]) == (field, problem), verdict
+    assert verdict["message"] in res.stderr
