@@ -128,7 +128,7 @@ def flag_problem(name: str, value: object, problem: str) -> ConfigError:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    # allow_abbrev=False: `--run` must never silently mean `--run-name` (FAILURES row 10)
+    # allow_abbrev=False: `--run` must never silently mean `--run-name` (docs/FAILURES.md row 10)
     parser = argparse.ArgumentParser(prog="nanochat_cpu.train", allow_abbrev=False)
     for f in dataclasses.fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
