@@ -31,7 +31,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from .download import download
+from .download import CHUNK_BYTES, download, part_path
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
@@ -41,7 +41,6 @@ FORTUNES_SKIP = frozenset({"art", "ascii-art"})
 # nanochat's pretraining data: ClimbMix, shard_00000 ... shard_06542, the last pinned as val.
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main"
 DEFAULT_VAL_INDEX = 6542
-CHUNK_BYTES = 1 << 20
 
 
 # -----------------------------------------------------------------------------
@@ -291,7 +290,7 @@ def fetch(
             except pa.ArrowException:
                 print(f"{dest.name}: present but not valid parquet; fetching again")
                 dest.unlink()
-        part = dest.with_name(dest.name + ".part")
+        part = part_path(dest)
         resumed = part.stat().st_size if part.exists() else 0
         t0 = time.monotonic()
         download(url, dest, timeout, retries, backoff_s)

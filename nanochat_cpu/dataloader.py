@@ -8,12 +8,14 @@ from exactly the next token.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .data import read_texts, row_group_pairs
-from .tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from .tokenizer import Tokenizer
 
 
 class TokenLoader:

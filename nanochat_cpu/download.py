@@ -72,10 +72,15 @@ def _download_once(url: str, part: Path, timeout: float) -> None:
         raise ShortDownload(f"connection closed at byte {size} of {total}")
 
 
+def part_path(dest: Path) -> Path:
+    """Where download() keeps what it has of dest so far."""
+    return dest.with_name(dest.name + ".part")
+
+
 def download(url: str, dest: Path, timeout: float = 30.0, retries: int = 5, backoff_s: float = 2.0) -> None:
     """url -> dest via dest.part: resumes with HTTP Range, retries with exponential backoff,
     checks the parquet footer, renames into place only when whole."""
-    part = dest.with_name(dest.name + ".part")
+    part = part_path(dest)
     for attempt in range(1, retries + 1):
         try:
             _download_once(url, part, timeout)

@@ -19,8 +19,6 @@ if TYPE_CHECKING:
 
 
 class LocalSync(SyncStrategy):
-    phase = "optimizer step"
-
     def __init__(self, opt: MuonAdamW):
         super().__init__(opt)
         self.tables: dict[str, TouchedRows] = {}

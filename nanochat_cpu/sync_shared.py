@@ -70,11 +70,14 @@ class WorkUnit:
     or a run of rows (tables) or elements of an AdamW group, [lo, hi) in the group's items.
     `gate`: the parameters (indices into the optimizer's params) whose gradients it sums."""
 
-    group: Group
     shared: SharedGroup
     lo: int
     hi: int
     gate: list[int]
+
+    @property
+    def group(self) -> Group:
+        return self.shared.group
 
 
 class SharedMemorySync(SyncStrategy):
@@ -131,14 +134,14 @@ class SharedMemorySync(SyncStrategy):
         for s in self.shared:
             g, layout = s.group, s.layout
             if g.kind == "muon":
-                units += [WorkUnit(g, s, i, i + 1, [self.param_index[id(g.params[i])]]) for i in range(layout.numel)]
+                units += [WorkUnit(s, i, i + 1, [self.param_index[id(g.params[i])]]) for i in range(layout.numel)]
                 continue
             per_item, size = layout.item_numel, self._unit_items(layout)
             for lo in range(0, layout.numel, size):
                 hi = min(lo + size, layout.numel)
                 gate = [self.param_index[id(p)] for p, start in zip(g.params, layout.offsets, strict=True)
                         if start < hi * per_item and lo * per_item < start + p.numel()]
-                units.append(WorkUnit(g, s, lo, hi, gate))
+                units.append(WorkUnit(s, lo, hi, gate))
         # the orthogonalisations first: they are the big ones
         units.sort(key=lambda u: (u.group.kind != "muon", -(u.hi - u.lo) * u.shared.layout.item_numel))
         self.units = units

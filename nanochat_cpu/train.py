@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from . import __version__, checkpoint, fingerprint
-from .checkpoint import tokenizer_refusal  # noqa: F401 - doctor.py checks checkpoints with the trainer's rule
 from .config import (
     ConfigError,
     TrainConfig,

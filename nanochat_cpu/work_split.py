@@ -94,7 +94,7 @@ def calibrate_split(model: GPT, cfg: TrainConfig, env: DistEnv, ctx, watchdog: W
 
 
 def choose_split(cfg: TrainConfig, env: DistEnv, model: GPT, ctx, watchdog: Watchdog, saved: list[int] | None,
-               ) -> list[int]:
+                 ) -> list[int]:
     """Each rank's rows per micro-step: as given, even, as the checkpoint saved them, or calibrated."""
     explicit = explicit_rank_batch_sizes(cfg, env.world_size)
     if explicit is not None:

@@ -114,6 +114,7 @@ def test_readme_follows_the_outline(role: str) -> None:
     assert positions == sorted(positions), f"roles/{role}/README.md: sections out of order"
     assert "meta/argument_specs.yml" in readme, f"roles/{role}/README.md does not point at meta/argument_specs.yml"
     if not (ROLES_DIR / role / "tasks/main.yml").is_file():  # used through task files: list them
+        assert "## Task files" in readme, f"roles/{role}/README.md: no '## Task files' section"
         for entry in entry_points(role):
             assert f"`{entry}.yml`" in readme.split("## Task files", 1)[-1], (
                 f"roles/{role}/README.md: no '## Task files' entry for {entry}.yml")

@@ -56,7 +56,7 @@ def test_bad_extra_var(cluster: Cluster, case_report: dict, name: str, value: ob
 
 
 def test_bad_trainer_flag(cluster: Cluster, case_report: dict) -> None:
-    """Refused by every node's preflight with the trainer's own parser."""
+    """Refused on the controller, before any node is contacted, by the trainer's own parser."""
     case_report["trainer_flag"] = refused(
         cluster, {**RUN.vars, "train_extra_args": "--matrix-lr fast"},
         "the trainer rejects its flags: argument --matrix-lr: invalid float value: 'fast'",
