@@ -93,6 +93,16 @@ class TrainConfig:
                   "help": "ranks all on one host: share parameters, gradients and optimizer state in /dev/shm "
                           "instead of sending them through Gloo (auto: where possible)"},
     )
+    # low-communication training across nodes (sync_diloco.py)
+    sync_every: str = field(
+        default="1",
+        metadata={"help": "inner steps between the nodes' outer syncs: 1 = every step is synchronous (ZeRO-2); "
+                          "H > 1 = each node trains alone for H steps, then the nodes average their progress "
+                          "(DiLoCo); auto = the H at which waiting on the wire is at most 5 percent of the wall time, "
+                          "from the first outer sync's measured seconds"},
+    )
+    outer_lr: float = field(default=0.7, metadata={"help": "outer SGD LR on the nodes' averaged pseudo-gradient"})
+    outer_momentum: float = field(default=0.9, metadata={"help": "outer Nesterov momentum, in [0, 1)"})
     # evaluation, logging, checkpoints
     eval_every: int = field(default=100, metadata={"help": "steps between val bpb evaluations (0 = only at end)"})
     eval_tokens: int = field(default=16384, metadata={"help": "validation tokens per evaluation"})
@@ -180,6 +190,12 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     for name in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay"):
         if getattr(cfg, name) < 0:
             raise flag_problem(name, getattr(cfg, name), "must be >= 0")
+    if sync_every_steps(cfg) is None and cfg.sync_every != "auto":
+        raise flag_problem("sync_every", cfg.sync_every, "must be a positive integer or auto")
+    if cfg.outer_lr <= 0:
+        raise flag_problem("outer_lr", cfg.outer_lr, "must be > 0 (1 with --outer-momentum 0 = plain averaging)")
+    if not 0.0 <= cfg.outer_momentum < 1.0:
+        raise flag_problem("outer_momentum", cfg.outer_momentum, "must be in [0, 1)")
     if cfg.seed < 0:
         raise flag_problem("seed", cfg.seed, "must be >= 0")
     for name in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):
@@ -261,6 +277,15 @@ def explicit_rank_batch_sizes(cfg: TrainConfig, world_size: int) -> list[int] | 
         raise ConfigError(f"--rank-batch-sizes={cfg.rank_batch_sizes!r}: need {world_size} positive "
                           f"integers, one per rank (WORLD_SIZE={world_size})")
     return sizes
+
+
+def sync_every_steps(cfg: TrainConfig) -> int | None:
+    """--sync-every as a number of inner steps; None for auto (chosen at the first outer sync) or junk."""
+    try:
+        steps = int(cfg.sync_every)
+    except ValueError:
+        return None
+    return steps if steps >= 1 else None
 
 
 def grad_accum_steps(cfg: TrainConfig, sizes: list[int]) -> int:
