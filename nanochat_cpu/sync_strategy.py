@@ -17,8 +17,9 @@ buffers and register gradient hooks on them) and then sees only these calls:
     load_state(g, s) put a checkpointed shard of group g's optimizer state back
 
 plus `phase`, the watchdog's name for what step() waits on, and `comm_wait`, the seconds the last
-step spent blocked on communication. A strategy of another kind (local inner steps with an outer
-sync every few steps) is one more module beside these.
+step spent blocked on communication. The ranks a strategy spans are the optimizer's `group`: the
+world, or with local steps (sync_diloco.py) one node's ranks, the nodes meeting only in an outer
+step every few inner steps.
 
 The rest of this module is what the strategies that cut groups into per-rank slices share: the
 flat-buffer layout of a group, and putting a parameter's gradient into its place in a buffer.
