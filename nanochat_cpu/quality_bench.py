@@ -162,7 +162,7 @@ def launch(nodes: int, threads: int, flags: list[str], out_dir: Path, timeout: f
         while any(p.poll() is None for p in procs):
             if any(p.returncode for p in procs) or time.monotonic() - t0 > timeout:
                 break
-            time.sleep(1)
+            time.sleep(0.2)
     finally:
         stop(procs)
     return [p.returncode for p in procs], time.monotonic() - t0
