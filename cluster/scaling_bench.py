@@ -34,8 +34,9 @@ periods later (from rank 0's `outer step K at step S` lines), and tok/s = its to
 its dt. It starts at the first outer sync at or after the warm-up, and for auto also at or after
 the step where H was picked, so the first outer sync (for auto the one H is measured on) stays
 out. An integer H runs H x max(1, ceil(warmup / H)) + 2H steps: exactly two whole periods
-measured. auto runs --auto-steps steps (H is not known before) and measures every whole period
-after the pick; it stops with the step count to use when not even one fits.
+measured. auto runs --auto-steps steps (H is not known before: the trainer caps it at 100) and
+measures every whole period after the pick (column `periods`); it stops with the step count to
+use when not even one fits.
 Results go to build/scaling.json as they come, the table to stdout at the end.
 """
 
@@ -93,6 +94,7 @@ class Result:
     sync_every: str = "1"  # as asked (defaults: results written before DiLoCo still load)
     h: int = 1  # the H the trainer used
     outer_sync_ms: float | None = None  # mean sync_s of the window's outer syncs
+    periods: int | None = None  # whole outer periods measured (H > 1)
 
 
 def sh(cmd: list[str], timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
@@ -174,6 +176,7 @@ def window_means(out: str, sync_every: str, warmup: int, num_steps: int) -> dict
                                      for i, k in ((1, "dt"), (3, "compute"), (4, "optim"), (5, "comm"))}
     syncs = [float(m.group(2)) for m in OUTER.finditer(out) if m.group(2) and first < int(m.group(1)) <= last]
     mean["h"] = h
+    mean["periods"] = (last - first) // h if sync_every != "1" else None
     mean["outer_sync_ms"] = round(1000 * statistics.mean(syncs)) if syncs else None
     return mean
 
@@ -226,7 +229,7 @@ def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: 
                   compute_ms=round(mean["compute"]), optim_ms=round(mean["optim"]),
                   comm_wait_ms=round(mean["comm"]), rows=split_line.group(1).replace(" ", "") if split_line else "",
                   vs_fastest_est=float(said.group(1)) if said else None, sync_every=sync_every, h=mean["h"],
-                  outer_sync_ms=mean["outer_sync_ms"])
+                  outer_sync_ms=mean["outer_sync_ms"], periods=mean["periods"])
 
 
 def cpu_plan(nodes: list[Node], mode: str, even: float) -> dict[str, float]:
@@ -239,7 +242,7 @@ def cpu_plan(nodes: list[Node], mode: str, even: float) -> dict[str, float]:
 def print_table(results: list[Result]) -> None:
     cols = ["depth", "tokens_per_step", "nodes", "link", "cpu", "split", "comm", "sync_every", "h", "rows",
             "tok_per_s", "efficiency", "vs_fastest", "vs_fastest_est", "step_ms", "compute_ms", "optim_ms",
-            "comm_wait_ms", "outer_sync_ms"]
+            "comm_wait_ms", "outer_sync_ms", "periods"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in results:

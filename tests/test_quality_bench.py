@@ -23,8 +23,8 @@ from nanochat_cpu.quality_bench import (
 
 LOG = """[vm rank 0/3] step 00001/00002 loss=8.3 lrm=1.000 dt_ms=1500 tok_per_s=2048 mfu=1.0 compute_ms=1 optim_ms=1 \
 comm_wait_ms=0
-[vm rank 0/3] sync-every auto: H=12 (sync 0.40 s, step 0.70 s)
-[vm rank 0/3] outer step 1 at step 1: sync_s=0.4 pseudo_grad_norm=1.0 sent_mb=20 H=12
+[vm rank 0/3] sync-every auto: H=12 (outer sync 0.40 s, slowest node's inner step 0.70 s: at most 5% ...)
+[vm rank 0/3] outer step 1 at step 00002: sync_s=0.40 wait_s=0.10 pseudo_grad_norm=1.0000 sent_mb=20.0 H=12
 [vm rank 0/3] step 00002/00002 loss=8.1 lrm=1.000 dt_ms=500 tok_per_s=6144 mfu=1.0 compute_ms=1 optim_ms=1 \
 comm_wait_ms=0
 [vm rank 0/3] eval step 00002 val_bpb=3.1234

@@ -18,15 +18,18 @@ def step_line(step: int, total: int, dt_ms: int) -> str:
 
 
 def outer_line(k: int, step: int, h: int, sync_s: float = 2.5) -> str:
-    return f"{PREFIX}outer step {k} at step {step}: sync_s={sync_s} pseudo_grad_norm=0.1 sent_mb=20.0 H={h}\n"
+    return (f"{PREFIX}outer step {k} at step {step:05d}: sync_s={sync_s:.2f} wait_s=0.10 pseudo_grad_norm=0.1000 "
+            f"sent_mb=20.0 H={h}\n")
 
 
 def fixed_h_output(h: int, steps: int) -> str:
-    out = ""
+    """As the trainer logs it: a boundary's outer line before its step line, the last step a boundary."""
+    out, k = "", 0
     for s in range(1, steps + 1):
-        out += step_line(s, steps, 3000 if s % h == 0 else 1000)
-        if s % h == 0:
-            out += outer_line(s // h, s, h)
+        if s % h == 0 or s == steps:
+            k += 1
+            out += outer_line(k, s, h)
+        out += step_line(s, steps, 3000 if s % h == 0 or s == steps else 1000)
     return out
 
 
@@ -60,24 +63,31 @@ def test_fixed_h_window_runs_from_a_sync_to_a_sync():
 
 
 def test_a_final_partial_period_stays_out():
-    out = fixed_h_output(8, 30) + outer_line(4, 30, 8)  # the trainer's last sync after 6 steps
+    out = fixed_h_output(8, 30)  # the last sync comes after 6 steps
     assert measured_window(out, "8", 2, 30)[:2] == (8, 24)
 
 
+def auto_output(h: int, steps: int, first: int = 2) -> str:
+    """The trainer's auto: a timed outer sync after `first` steps picks H, then every H and the last step."""
+    out, k = "", 0
+    for s in range(1, steps + 1):
+        if s == first:
+            out += f"{PREFIX}sync-every auto: H={h} (outer sync 0.40 s, slowest node's inner step 0.70 s: ...)\n"
+        if s == first or s == steps or (s > first and (s - first) % h == 0):
+            k += 1
+            out += outer_line(k, s, h)
+        out += step_line(s, steps, 1000)
+    return out
+
+
 def test_auto_window_starts_after_the_pick():
-    out = step_line(1, 60, 1000) + outer_line(1, 1, 1, sync_s=0.4) + f"{PREFIX}sync-every auto: H=10 (...)\n"
-    for s in range(2, 61):
-        out += step_line(s, 60, 1000)
-        if (s - 1) % 10 == 0:
-            out += outer_line((s - 1) // 10 + 1, s, 10)
-    assert measured_window(out, "auto", 2, 60) == (11, 51, 10)
+    assert measured_window(auto_output(10, 60), "auto", 2, 60) == (2, 52, 10)  # not step 60's short period
+    assert measured_window(auto_output(10, 60, first=4), "auto", 0, 60) == (4, 54, 10)
 
 
 def test_auto_without_a_whole_period_names_the_steps_to_run():
-    out = step_line(1, 15, 1000) + outer_line(1, 1, 1) + f"{PREFIX}sync-every auto: H=10\n"
-    out += "".join(step_line(s, 15, 1000) for s in range(2, 16)) + outer_line(2, 11, 10)
-    with pytest.raises(SystemExit, match="run at least 31 steps"):
-        measured_window(out, "auto", 2, 15)
+    with pytest.raises(SystemExit, match="run at least 62 steps"):
+        measured_window(auto_output(30, 20), "auto", 2, 20)
 
 
 def test_a_trainer_without_outer_lines_is_refused():
@@ -97,4 +107,4 @@ def test_results_written_before_the_axis_still_load():
 def test_window_mean_counts_each_boundary_step_once():
     mean = window_means(fixed_h_output(8, 24), "8", 2, 24)
     assert mean["dt"] == (14 * 1000 + 2 * 3000) / 16  # steps 9..24, the boundaries 16 and 24 at 3 s
-    assert (mean["h"], mean["outer_sync_ms"]) == (8, 2500)
+    assert (mean["h"], mean["outer_sync_ms"], mean["periods"]) == (8, 2500, 2)
