@@ -28,7 +28,8 @@ by default the offline fortunes corpus with the cluster's 4096-token vocabulary,
 under build/quality-data/. Each row trains in build/quality/<row>/ (node<r>.log: each node's
 output). Results go to build/quality.json after every row (the rows of this run only); --from
 reuses the rows of an earlier file that ran with the same settings, so the same command with
---from build/quality.json goes on where a stopped benchmark stopped.
+--from build/quality.json goes on where a stopped benchmark stopped (and, with no file yet,
+starts it).
 """
 
 from __future__ import annotations
@@ -281,7 +282,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--row-timeout", type=float, default=6 * 3600, help="seconds one row may take")
     p.add_argument("--work-dir", type=Path, default=REPO / "build/quality", help="each row's --out-dir and logs")
     p.add_argument("--out", type=Path, default=REPO / "build/quality.json")
-    p.add_argument("--from", dest="earlier", type=Path, default=None, help="reuse this file's finished rows")
+    p.add_argument("--from", dest="earlier", type=Path, default=None,
+                   help="reuse this file's finished rows (if it exists)")
     args = p.parse_args(argv)
     if args.rows is None:
         args.rows = ["alone", "sync", *args.sync_every]
@@ -301,7 +303,8 @@ def main(argv: list[str] | None = None) -> int:
     prepare_data(args)
     steps = math.ceil(args.tokens / args.total_batch_size)
     settings = settings_of(args, steps)
-    earlier = json.loads(args.earlier.read_text()) if args.earlier else []
+    # a --from file not there yet is nothing to reuse: one command starts and resumes the benchmark
+    earlier = json.loads(args.earlier.read_text()) if args.earlier and args.earlier.exists() else []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     done: list[Row] = []
     for name in args.rows:
