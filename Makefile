@@ -17,6 +17,8 @@ WORKERS ?=
 # Demo training run.
 DEPTH ?= 4
 ITERATIONS ?= 50
+# Inner steps between the nodes' outer syncs: 1 (synchronous every step), H or auto (DiLoCo).
+SYNC_EVERY ?= 1
 # Molecule scenarios `make test` runs.
 SCENARIOS ?= default
 
@@ -35,7 +37,7 @@ help:
 	@echo 'make cluster-down   remove the local cluster'
 	@echo 'make lint           ruff, yamllint, ansible-lint'
 	@echo 'make test           pytest, then molecule test for SCENARIOS ($(SCENARIOS))'
-	@echo 'make demo           setup, image, cluster-up, site.yml, train.yml -e depth=$(DEPTH) -e num_iterations=$(ITERATIONS)'
+	@echo 'make demo           setup, image, cluster-up, site.yml, train.yml -e depth=$(DEPTH) -e num_iterations=$(ITERATIONS) -e sync_every=$(SYNC_EVERY)'
 
 setup: host venv
 
@@ -81,5 +83,5 @@ molecule: root venv image
 
 demo: root setup image cluster-up
 	ansible-playbook -i $(INVENTORY) site.yml
-	ansible-playbook -i $(INVENTORY) train.yml -e depth=$(DEPTH) -e num_iterations=$(ITERATIONS) -e restart=true
+	ansible-playbook -i $(INVENTORY) train.yml -e depth=$(DEPTH) -e num_iterations=$(ITERATIONS) -e sync_every=$(SYNC_EVERY) -e restart=true
 	ansible-playbook -i $(INVENTORY) playbooks/demo_finish.yml -e depth=$(DEPTH)

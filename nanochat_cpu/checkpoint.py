@@ -233,10 +233,24 @@ def agree_on_resume_step(cfg: TrainConfig, env: DistEnv, watchdog: Watchdog) -> 
     return max(common) if common else None
 
 
+def sync_refusal(where: str, saved: dict, local_steps: bool) -> str | None:
+    """Why a checkpoint of the other kind of sync (its saved `extra`) must not be resumed: local
+    steps keep a whole optimizer state per node, synchronous steps one shard per rank."""
+    saved_local = "outer" in saved
+    if saved_local == local_steps:
+        return None
+    kinds = {True: "local steps (--sync-every above 1 or auto)", False: "every step synchronous (--sync-every 1)"}
+    return (f"checkpoint {where} was trained with {kinds[saved_local]}, this run asks for {kinds[local_steps]}: "
+            f"their optimizer states are laid out differently (a whole one per node, or a shard per rank). Fix: "
+            f"resume with the run's --sync-every, or {START_AFRESH}")
+
+
 def resume(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW, tokenizer_sha: str, vocab_size: int,
-           watchdog: Watchdog) -> tuple[int, dict | None, dict]:
+           watchdog: Watchdog, local_steps: bool = False) -> tuple[int, dict | None, dict]:
     """Load the newest checkpoint every rank has into model, opt and the RNG, refusing one that
-    does not fit; returns (the step to start from, the loader's position, the saved `extra`)."""
+    does not fit; returns (the step to start from, the loader's position, the saved `extra`).
+    With local steps the checkpoint is from an outer boundary: the model is theta_global, and
+    `extra` holds the outer momentum and the schedule (train.setup_local_steps)."""
     resume_step = agree_on_resume_step(cfg, env, watchdog)
     if resume_step is None:
         return 0, None, {}
@@ -248,7 +262,8 @@ def resume(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW, tokenizer
     except Exception as exc:  # noqa: BLE001 - unreadable file: name it instead of a traceback
         fail(env, EXIT_CONFIG, f"checkpoint {where} is unreadable ({type(exc).__name__}: {exc}); {fix}")
     extra = rank_state.get("extra", {})
-    refusal = tokenizer_refusal(cfg, where, extra, tokenizer_sha, vocab_size)
+    refusal = tokenizer_refusal(cfg, where, extra, tokenizer_sha, vocab_size) or sync_refusal(where, extra,
+                                                                                             local_steps)
     if refusal:
         fail(env, EXIT_CONFIG, refusal)
     try:

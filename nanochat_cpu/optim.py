@@ -92,10 +92,13 @@ class Group:
 class MuonAdamW:
     def __init__(self, groups: list[Group], rank: int = 0, world_size: int = 1,
                  muon_dtype: torch.dtype = torch.float32, comm_dtype: torch.dtype = torch.float32,
-                 param_comm_dtype: torch.dtype = torch.float32, arena: SharedArena | None = None):
+                 param_comm_dtype: torch.dtype = torch.float32, arena: SharedArena | None = None,
+                 group: torch.distributed.ProcessGroup | None = None):
         self.groups = groups
         self.device = groups[0].params[0].device
-        self.rank, self.world_size = rank, world_size
+        # the ranks that step together: the world, or with local steps (sync_diloco.py) one node's
+        # ranks; `rank` and `world_size` are within it
+        self.rank, self.world_size, self.group = rank, world_size, group
         self.muon_dtype = muon_dtype
         self.arena = arena  # ranks on one host: buffers in shared memory, nothing on the wire
         self.step_count = 0
@@ -210,7 +213,8 @@ class MuonAdamW:
 
 
 def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dtype,
-                    arena: SharedArena | None = None) -> MuonAdamW:
+                    arena: SharedArena | None = None, group: torch.distributed.ProcessGroup | None = None,
+                    ) -> MuonAdamW:
     from .model import parameter_groups
 
     groups = parameter_groups(model)
@@ -230,4 +234,4 @@ def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dt
                   weight_decay=cfg.weight_decay) for shape, ps in sorted(by_shape.items())]
     wire = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     return MuonAdamW([g for g in adamw if g.params] + muon, rank, world_size, muon_dtype,
-                     wire[cfg.grad_comm_dtype], wire[cfg.param_comm_dtype], arena)
+                     wire[cfg.grad_comm_dtype], wire[cfg.param_comm_dtype], arena, group)

@@ -55,30 +55,32 @@ def plan(mode: str, world_size: int, local_world_size: int, device: torch.device
                   f"({nbytes / 2**20:.0f} MiB), no copies through Gloo")
 
 
-def make_arena(mode: str, rank: int, world_size: int, device: torch.device,
-               model: torch.nn.Module) -> tuple[SharedArena | None, str]:
-    """The shared-memory arena for the optimizer (or None) and the banner's reason; collective."""
+def make_arena(mode: str, rank: int, world_size: int, device: torch.device, model: torch.nn.Module,
+               group: dist.ProcessGroup | None = None) -> tuple[SharedArena | None, str]:
+    """The shared-memory arena for the optimizer (or None) and the banner's reason; collective over
+    `group` (the ranks that would share it: the world, or one node's ranks; `rank` and `world_size`
+    are within it)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     ok, why = plan(mode, world_size, local, device, buffer_bytes(model, world_size))
     if world_size > 1 and mode != "gloo" and device.type == "cpu":
         flag = torch.tensor([int(ok)])
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)  # one rank short of /dev/shm: nobody shares
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # one rank short of /dev/shm: nobody shares
         if ok and not flag.item():
             ok, why = False, "another rank of this host cannot share memory"
     if not ok and mode == "shm":
         raise ValueError(f"--local-comm shm is not possible: {why}. Fix: --local-comm auto or gloo")
     if not ok:
         return None, f"{mode}: through the process group ({why})"
-    return SharedArena(rank), f"{mode}: {why}"
+    return SharedArena(rank, group), f"{mode}: {why}"
 
 
 class SharedArena:
     """Allocates tensors every rank of this host maps; must be called in the same order on all."""
 
-    def __init__(self, rank: int, shm_dir: Path = SHM_DIR):
-        self.rank, self.shm_dir = rank, shm_dir
+    def __init__(self, rank: int, group: dist.ProcessGroup | None = None, shm_dir: Path = SHM_DIR):
+        self.rank, self.group, self.shm_dir = rank, group, shm_dir  # rank within the group
         name = [f"nanochat-{os.getpid()}-{secrets.token_hex(4)}" if rank == 0 else None]
-        dist.broadcast_object_list(name, src=0)
+        dist.broadcast_object_list(name, group=group, group_src=0)
         self.prefix = name[0]
 
     def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -88,10 +90,10 @@ class SharedArena:
         if self.rank == 0:
             t = torch.from_file(path, shared=True, size=numel, dtype=dtype)
             t.zero_()  # touch every page now: a full /dev/shm fails here, not mid-run with SIGBUS
-        dist.barrier()
+        dist.barrier(group=self.group)
         if self.rank != 0:
             t = torch.from_file(path, shared=True, size=numel, dtype=dtype)
-        dist.barrier()
+        dist.barrier(group=self.group)
         if self.rank == 0:
             os.unlink(path)
         return t.view(shape)
@@ -103,9 +105,9 @@ class SharedArena:
         path = str(self.shm_dir / f"{self.prefix}-{name}")
         if self.rank == 0:
             os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
-        dist.barrier()
+        dist.barrier(group=self.group)
         fd = os.open(path, os.O_RDWR)  # stays open for the run: the lock lives on the inode
-        dist.barrier()
+        dist.barrier(group=self.group)
         if self.rank == 0:
             os.unlink(path)
         return HostLock(fd)

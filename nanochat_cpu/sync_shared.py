@@ -90,7 +90,7 @@ class SharedMemorySync(SyncStrategy):
         self.last_units_run = 0  # how many work units this rank did in the last step
         self.shared = [self._make_shared(g) for g in opt.groups]
         self._make_work_queue()
-        dist.barrier()  # every rank points at the shared copy before anyone trains on it
+        dist.barrier(group=opt.group)  # every rank points at the shared copy before anyone trains on it
 
     def _make_shared(self, g: Group) -> SharedGroup:
         layout = FlatLayout.of(g, self.world_size)
@@ -212,7 +212,7 @@ class SharedMemorySync(SyncStrategy):
         # buffers written again. Until then no rank reads a parameter (the forward) or a moment
         # (a checkpoint) that another may still be updating.
         t0 = time.perf_counter()
-        dist.barrier()
+        dist.barrier(group=self.opt.group)
         self.comm_wait += time.perf_counter() - t0
 
     def _publish_rest(self, stamp: int) -> None:

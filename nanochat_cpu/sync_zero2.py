@@ -126,10 +126,10 @@ class Zero2Sync(SyncStrategy):
             else:  # padding past the last parameter has zero gradient, so Adam keeps it at zero
                 self.opt.adamw(g, [s.master], [s.grad_slice], *g.adamw_state([s.master]))
             if s.update_buf is None:
-                gathers.append((s, all_gather(s.param_buf, s.master, async_op=True)))
+                gathers.append((s, all_gather(s.param_buf, s.master, group=self.opt.group, async_op=True)))
             else:
                 update = s.master.sub_(owned).to(self.param_comm_dtype)
-                gathers.append((s, all_gather(s.update_buf, update, async_op=True)))
+                gathers.append((s, all_gather(s.update_buf, update, group=self.opt.group, async_op=True)))
         for s, work in gathers:
             self._wait(work)
             if s.update_buf is not None:  # the same rounded update on every rank, owner included
@@ -161,7 +161,8 @@ class Zero2Sync(SyncStrategy):
         # each rank receives every rank's copy of its own slice and adds them up (_finish_reduce):
         # the bytes of an optimal reduce-scatter. Gloo's reduce_scatter costs an all-reduce
         # (measured on 3 nodes at 100 Mbit/s: 1.95 s for 16 MiB, all-reduce 1.92 s, this 1.54 s)
-        g.pending = [("dense", s.recv_buf, dist.all_to_all_single(s.recv_buf, send, async_op=True))]
+        work = dist.all_to_all_single(s.recv_buf, send, group=self.opt.group, async_op=True)
+        g.pending = [("dense", s.recv_buf, work)]
 
     def _start_sparse_reduce(self, g: Group, s: Zero2Slice) -> None:
         """All-gather (row id, gradient row) for the rows this rank touched; padded to the
@@ -171,7 +172,7 @@ class Zero2Sync(SyncStrategy):
             ids = s.grad_buf.any(dim=1).nonzero().squeeze(1)
         count = torch.tensor([ids.numel()], dtype=torch.int64, device=ids.device)
         counts = torch.empty(self.world_size, dtype=torch.int64, device=ids.device)
-        self._wait(all_gather(counts, count, async_op=True))
+        self._wait(all_gather(counts, count, group=self.opt.group, async_op=True))
         width = int(counts.max())
         send_ids = torch.full((width,), -1, dtype=torch.int64, device=ids.device)
         send_ids[: ids.numel()] = ids
@@ -180,8 +181,8 @@ class Zero2Sync(SyncStrategy):
         all_ids = torch.empty(width * self.world_size, dtype=torch.int64, device=ids.device)
         all_rows = torch.empty((width * self.world_size, s.grad_buf.shape[1]), dtype=self.comm_dtype,
                                device=ids.device)
-        g.pending = [("ids", all_ids, all_gather(all_ids, send_ids, async_op=True)),
-                     ("rows", all_rows, all_gather(all_rows, send_rows, async_op=True))]
+        g.pending = [("ids", all_ids, all_gather(all_ids, send_ids, group=self.opt.group, async_op=True)),
+                     ("rows", all_rows, all_gather(all_rows, send_rows, group=self.opt.group, async_op=True))]
 
     def _wait(self, work: dist.Work) -> None:
         """Block until a collective is complete; the time counts as communication wait. On CUDA,

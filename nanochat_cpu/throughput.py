@@ -8,7 +8,8 @@ that, rank 0 models each rank training alone on the same global batch:
     alone_r(T) = T x (compute_r / tokens_r)  +  world x optimizer_r
 
 (the optimizer part is the step minus compute minus waiting; each rank updates 1/world of the
-parameters, so alone it would do world times that). A node is a host: ranks that share one (2
+parameters, so alone it would do world times that; with local steps each node updates the
+whole model already, its ranks sharing the work). A node is a host: ranks that share one (2
 processes on a machine) are modelled as that machine alone running one process on all their
 cores, their compute rates added up and the optimizer's world shares spread over them (perfect
 thread scaling: an optimistic "alone", so the verdict errs towards calling the cluster slower).
@@ -48,23 +49,24 @@ class Estimate:
         return self.cluster_tok_per_s / self.alone_tok_per_s[self.fastest]
 
 
-def optimizer_alone_s(t: RankTiming, world: int) -> float:
-    return world * max(0.0, t.step_s - t.compute_s - t.wait_s)
+def optimizer_alone_s(t: RankTiming, shards: int) -> float:
+    return shards * max(0.0, t.step_s - t.compute_s - t.wait_s)
 
 
-def host_alone(ranks: list[RankTiming], world: int) -> tuple[float, float]:
-    """(seconds per token, seconds per step) of one host training alone, from its ranks' timings."""
+def host_alone(ranks: list[RankTiming], shards: int) -> tuple[float, float]:
+    """(seconds per token, seconds per step) of one host training alone, from its ranks' timings;
+    each rank updated 1/shards of the parameters."""
     per_token = 1 / sum(t.tokens / max(t.compute_s, 1e-9) for t in ranks)
-    return per_token, sum(optimizer_alone_s(t, world) for t in ranks) / len(ranks) ** 2
+    return per_token, sum(optimizer_alone_s(t, shards) for t in ranks) / len(ranks) ** 2
 
 
-def estimate(timings: list[RankTiming], total_tokens: int) -> Estimate:
+def estimate(timings: list[RankTiming], total_tokens: int, local_steps: bool = False) -> Estimate:
     world = len(timings)
     step_s = max(t.step_s for t in timings)
     by_host: dict[str, list[RankTiming]] = {}
     for t in timings:
         by_host.setdefault(t.host, []).append(t)
-    lines = {host: host_alone(ranks, world) for host, ranks in by_host.items()}
+    lines = {host: host_alone(ranks, len(ranks) if local_steps else world) for host, ranks in by_host.items()}
     alone = {host: total_tokens / (total_tokens * per_token + fixed) for host, (per_token, fixed) in lines.items()}
     fastest = max(alone, key=alone.__getitem__)
     slowest_compute = max(t.compute_s for t in timings)
@@ -82,7 +84,8 @@ def round_up(tokens: int, unit: int) -> int:
     return -(-tokens // unit) * unit
 
 
-def verdict(est: Estimate, timings: list[RankTiming], total_tokens: int, unit: int) -> tuple[bool, str]:
+def verdict(est: Estimate, timings: list[RankTiming], total_tokens: int, unit: int,
+            local_steps: bool = False) -> tuple[bool, str]:
     """(slower than the fastest node alone?, one log line that says so and what to change)."""
     ranks = [r for r, t in enumerate(timings) if t.host == est.fastest]
     who = (f"rank {ranks[0]}@{est.fastest} would do alone" if len(ranks) == 1 else
@@ -94,6 +97,9 @@ def verdict(est: Estimate, timings: list[RankTiming], total_tokens: int, unit: i
     compute = max(t.compute_s for t in timings)
     wait = max(t.wait_s for t in timings)
     fixes = []
+    if not local_steps:
+        fixes.append("--sync-every auto (each node trains alone between outer syncs: the wire's bytes once "
+                     "per many steps)")
     if est.break_even_tokens is not None:
         fixes.append(f"--total-batch-size >= {round_up(max(est.break_even_tokens, total_tokens + 1), unit):,} "
                      f"(break-even at this split; now {total_tokens:,})")

@@ -22,6 +22,7 @@ import os
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -34,6 +35,7 @@ from .config import (
     grad_accum_steps,
     host_problems,
     parse_config,
+    sync_every_steps,
     validate,
     world_size_from_env,
 )
@@ -54,6 +56,7 @@ from .model import GPT, flops_per_token, model_config_from, parameter_breakdown
 from .optim import MuonAdamW, build_optimizer
 from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib, reuse_freed_memory, sync
 from .shm import make_arena
+from .sync_diloco import AUTO_FIRST_PHASE, DiLoCo, Nodes, OuterSchedule, choose_sync_every, find_nodes, node_token_share
 from .tokenizer import Tokenizer
 from .tracking import Tracker
 from .work_split import choose_split, log_rank_timings
@@ -234,16 +237,82 @@ def build_model(cfg: TrainConfig, env: DistEnv, vocab_size: int) -> GPT:
 
 
 def setup_optimizer(cfg: TrainConfig, env: DistEnv, model: GPT, muon_dtype: torch.dtype,
-                    watchdog: Watchdog) -> MuonAdamW:
+                    watchdog: Watchdog, nodes: Nodes | None) -> MuonAdamW:
+    """The optimizer over every rank, or with local steps over this node's ranks only."""
+    rank, world, group = (nodes.rank_in_node, nodes.size, nodes.group) if nodes else (env.rank, env.world_size, None)
     # collective: the ranks agree whether to share memory, map the buffers, then a barrier
     with watchdog.phase("optimizer setup", 0):
         try:
-            arena, local_why = make_arena(cfg.local_comm, env.rank, env.world_size, env.device, model)
+            arena, local_why = make_arena(cfg.local_comm, rank, world, env.device, model, group)
         except ValueError as exc:
             fail(env, EXIT_CONFIG, str(exc))
-        if env.distributed:
+        if world > 1:
             log(env, f"local comm: {local_why}")
-        return build_optimizer(model, cfg, env.rank, env.world_size, muon_dtype, arena)
+        return build_optimizer(model, cfg, rank, world, muon_dtype, arena, group)
+
+
+# ---- local steps: which ranks form a node, when the nodes meet -------------------------------------
+
+def find_local_step_nodes(cfg: TrainConfig, env: DistEnv, watchdog: Watchdog) -> Nodes | None:
+    """The nodes, when --sync-every asks for local steps and there is more than one node."""
+    if cfg.sync_every == "1" or not env.distributed:
+        return None
+    nodes = find_nodes(env, watchdog)
+    if nodes.count == 1:
+        log(env, f"--sync-every {cfg.sync_every}: every rank is on one node, there is nothing to sync between "
+                 f"nodes: every step is synchronous")
+        return None
+    return nodes
+
+
+def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW, nodes: Nodes | None,
+                      sizes: list[int], extra: dict) -> tuple[DiLoCo | None, OuterSchedule]:
+    """The outer optimizer (None: every step synchronous) and its boundaries, resumed from `extra`."""
+    if nodes is None:
+        return None, OuterSchedule(1, 1, cfg.num_iterations)
+    wire = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    share = node_token_share(nodes, sizes)
+    diloco = DiLoCo(model, nodes, share, cfg.outer_lr, cfg.outer_momentum, wire[cfg.grad_comm_dtype],
+                    wire[cfg.param_comm_dtype], shared_params=opt.arena is not None)
+    if "outer" in extra:
+        try:
+            diloco.load_state_dict(extra["outer"])
+        except ValueError as exc:
+            fail(env, EXIT_CONFIG, str(exc))
+    every = sync_every_steps(cfg)
+    saved = extra.get("sync_schedule")
+    if every is None and saved:  # auto, resumed: the H it chose
+        schedule = OuterSchedule(saved["first"], saved["every"], cfg.num_iterations)
+    elif every is None:
+        schedule = OuterSchedule(AUTO_FIRST_PHASE, None, cfg.num_iterations)
+    else:
+        schedule = OuterSchedule(every, every, cfg.num_iterations)
+    log(env, f"local steps: node {nodes.index} of {nodes.count} (ranks {nodes.ranks[nodes.index]}), "
+             f"{share:.1%} of each inner step's tokens; outer sync every "
+             f"{schedule.every or f'auto (first after {schedule.first})'} steps, outer lr {cfg.outer_lr} "
+             f"Nesterov momentum {cfg.outer_momentum}, {diloco.sent_bytes / 2**20:.1f} MiB sent per outer step "
+             f"by the node's first rank")
+    return diloco, schedule
+
+
+def outer_sync(env: DistEnv, tracker: Tracker, diloco: DiLoCo, schedule: OuterSchedule, step: int,
+               last_step_s: float, watchdog: Watchdog):
+    """The nodes meet: the outer step, its line and metrics; with auto, the first one chooses H."""
+    with watchdog.phase(diloco.phase, step):
+        outer = diloco.outer_step(last_step_s)
+    if schedule.every is None:  # every rank must choose the same H: from the slowest rank's sync
+        seen = torch.tensor([outer.sync_s, outer.slowest_step_s], dtype=torch.float64, device=env.device)
+        with watchdog.phase("all_reduce outer sync seconds", step):
+            dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+        schedule.every, why = choose_sync_every(float(seen[0]), float(seen[1]))
+        log(env, f"sync-every auto: H={schedule.every} ({why})")
+    log(env, f"outer step {diloco.outer_steps} at step {step:05d}: sync_s={outer.sync_s:.2f} "
+             f"wait_s={outer.wait_s:.2f} pseudo_grad_norm={outer.pseudo_grad_norm:.4f} "
+             f"sent_mb={outer.sent_bytes / 1e6:.1f} H={schedule.every}")
+    tracker.log_metrics({"outer_step": diloco.outer_steps, "outer_sync_s": outer.sync_s,
+                         "outer_wait_s": outer.wait_s, "pseudo_grad_norm": outer.pseudo_grad_norm,
+                         "outer_sent_mb": outer.sent_bytes / 1e6}, step)
+    return outer
 
 
 def log_parameters(env: DistEnv, cfg: TrainConfig, model: GPT, fpt: int) -> None:
@@ -303,6 +372,26 @@ def log_sample(env: DistEnv, model: GPT, tokenizer: Tokenizer, step: int) -> Non
     log(env, f"sample step {step:05d}: {prompt}{tokenizer.decode(out)!r}")
 
 
+@dataclass
+class PhaseTimes:
+    """Seconds summed over the steps of an inner phase: the timing lines' per-step means."""
+
+    compute_s: float = 0.0
+    wait_s: float = 0.0
+    wall_s: float = 0.0
+    steps: int = 0
+
+    def add(self, compute_s: float, wait_s: float, wall_s: float) -> None:
+        self.compute_s += compute_s
+        self.wait_s += wait_s
+        self.wall_s += wall_s
+        self.steps += 1
+
+    def per_step(self) -> tuple[float, float, float]:
+        n = max(1, self.steps)
+        return self.compute_s / n, self.wait_s / n, self.wall_s / n
+
+
 # ---- the run -------------------------------------------------------------------------------------
 
 def banner(env: DistEnv, cfg: TrainConfig, dtype_why: str, muon_why: str, compile_why: str,
@@ -351,12 +440,13 @@ def run(cfg: TrainConfig) -> None:
 
     # ---- model and optimizer, resumed from the newest checkpoint every rank has ------------------
     model = build_model(cfg, env, tokenizer.vocab_size)
-    opt = setup_optimizer(cfg, env, model, muon_dtype, watchdog)
+    nodes = find_local_step_nodes(cfg, env, watchdog)
+    opt = setup_optimizer(cfg, env, model, muon_dtype, watchdog, nodes)
     fpt = flops_per_token(model)
     if env.master:
         log_parameters(env, cfg, model, fpt)
     start_step, loader_state, extra = checkpoint.resume(cfg, env, model, opt, tokenizer_sha, tokenizer.vocab_size,
-                                                        watchdog)
+                                                        watchdog, local_steps=nodes is not None)
 
     # ---- work split, data, tracking --------------------------------------------------------------
     ctx = autocast_for(env.device, ctx_dtype)
@@ -374,13 +464,17 @@ def run(cfg: TrainConfig) -> None:
                         **{f"params_{k}": v for k, v in parameter_breakdown(model).items()}})
     if env.master:
         log(env, f"matmul peak {peak / 1e9:.0f} GFLOP/s per rank ({ctx_dtype}); MFU is measured against it")
-    # gradients are summed across ranks: weight each rank's mean loss by its share of the tokens,
-    # so an uneven split optimises exactly what an even one does
-    loss_scale = sizes[env.rank] / (sum(sizes) * accum)
+    # gradients are summed across the ranks that step together (all, or with local steps the
+    # node's): weight each rank's mean loss by its share of their tokens, so an uneven split
+    # optimises exactly what an even one does
+    stepping = nodes.ranks[nodes.index] if nodes else range(env.world_size)
+    loss_scale = sizes[env.rank] / (sum(sizes[r] for r in stepping) * accum)
+    diloco, schedule = setup_local_steps(cfg, env, model, opt, nodes, sizes, extra)
 
     # ---- the loop --------------------------------------------------------------------------------
     step = start_step
     said_speed = False  # whether the cluster-vs-one-node line was logged
+    phase = PhaseTimes()  # since the last outer boundary (every step, when synchronous)
     if start_step == 0 and env.distributed:
         check_parameters_agree(env, model, 0, watchdog)
     while step < cfg.num_iterations:
@@ -398,29 +492,44 @@ def run(cfg: TrainConfig) -> None:
         opt.zero_grad()
         step += 1
         sync(env.device)
+        comm_wait = opt.last_comm_wait
+        # the nodes meet at an outer boundary; only there is every node at theta_global, so
+        # checksums, evaluations and checkpoints wait for one (every step is one when synchronous)
+        boundary = schedule.boundary(step)
+        if diloco is not None and boundary:
+            outer = outer_sync(env, tracker, diloco, schedule, step, time.perf_counter() - t0, watchdog)
+            comm_wait += outer.wait_s
         dt = time.perf_counter() - t0
+        phase.add(t_compute, comm_wait, dt)
         train_loss = loss_sum.item() / accum
-        log_step(cfg, env, tracker, step, train_loss, mult, dt, t_compute, opt.last_comm_wait, fpt, peak)
+        log_step(cfg, env, tracker, step, train_loss, mult, dt, t_compute, comm_wait, fpt, peak)
         if not math.isfinite(train_loss):
             fail(env, EXIT_MISMATCH, f"loss is {train_loss} at step {step}: training diverged "
                                      f"(lower --matrix-lr/--embedding-lr or resume from an earlier checkpoint)")
+        if not boundary:
+            continue
         # on schedule, and always after the last step: timings, checksums, eval, sample, checkpoint
         last = step == cfg.num_iterations
-        if env.distributed and (step % 10 == 0 or last):
-            said_speed = log_rank_timings(cfg, env, tracker, step, sizes, accum, t_compute, opt.last_comm_wait,
-                                          dt, watchdog, said_speed)
-        if env.distributed and (step == 1 or (cfg.checksum_every and step % cfg.checksum_every == 0) or last):
+        if env.distributed and (schedule.due(10, step) or last):
+            said_speed = log_rank_timings(cfg, env, tracker, step, sizes, accum, *phase.per_step(), watchdog,
+                                          said_speed, local_steps=diloco is not None)
+        phase = PhaseTimes()
+        if env.distributed and (step == schedule.first or diloco is not None or schedule.due(cfg.checksum_every, step)
+                                or last):
             check_parameters_agree(env, model, step, watchdog)
-        if (cfg.eval_every and step % cfg.eval_every == 0) or last:
+        if schedule.due(cfg.eval_every, step) or last:
             bpb = evaluate_bpb(model, cfg, env, tokenizer, token_bytes, ctx, watchdog, step)
             if env.master:
                 log(env, f"eval step {step:05d} val_bpb={bpb:.4f}")
             tracker.log_metrics({"val_bpb": bpb}, step)
-        if env.master and ((cfg.sample_every and step % cfg.sample_every == 0) or last):
+        if env.master and (schedule.due(cfg.sample_every, step) or last):
             log_sample(env, model, tokenizer, step)
-        if (cfg.checkpoint_every and step % cfg.checkpoint_every == 0) or last:
+        if schedule.due(cfg.checkpoint_every, step) or last:
             extra = {"mlflow_run_id": tracker.run_id, "rank_batch_sizes": sizes, "tokenizer_sha256": tokenizer_sha,
                      "vocab_size": tokenizer.vocab_size}
+            if diloco is not None:  # at a boundary: the model is theta_global; the outer momentum, the chosen H
+                extra |= {"outer": diloco.state_dict(),
+                          "sync_schedule": {"first": schedule.first, "every": schedule.every}}
             checkpoint.save_checkpoint(cfg, env, model, opt, loader, step, watchdog, extra)
             tracker.flush()
 

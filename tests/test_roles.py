@@ -314,6 +314,7 @@ LOCALHOST_INV = """all:
          "Nearest valid total_batch_size: 2560 or 3072"),
         (["-e", "dtype=fp16"], "dtype=fp16 must be one of: auto, float32, bfloat16"),
         (["-e", "work_split=fast"], "work_split=fast must be one of: auto, even, inventory"),
+        (["-e", "sync_every=0"], "sync_every=0 must be a positive integer or auto"),
         (["-e", "train_device=cuda"], "train_device=cuda needs torch_variant cuNNN on every node; laptop"),
     ],
 )
@@ -373,6 +374,13 @@ def test_work_split_reaches_the_trainer_flags(tmp_path: Path, extra: list[str], 
         assert flag in args, args
     else:
         assert "--rank-batch-sizes" not in args, args
+
+
+def test_sync_every_and_the_outer_step_reach_the_trainer_flags(tmp_path: Path) -> None:
+    res = run_validate_on_localhost(tmp_path, {}, "-e", "sync_every=auto", "-e", "outer_lr=0.5")
+    assert res.returncode == 0, res.stdout + res.stderr
+    args = (tmp_path / "train_args").read_text()
+    assert "--sync-every auto --outer-lr 0.5 --outer-momentum 0.9" in args, args
 
 
 def test_work_split_from_the_inventory_is_checked_per_host(tmp_path: Path) -> None:

@@ -1,0 +1,277 @@
+"""Local steps across nodes, an outer sync every H steps (DiLoCo; with Muon inside, MuLoCo).
+
+A node is one launcher (torchrun `--node-rank`): its ranks share a host. With `--sync-every H`,
+H > 1, each node trains alone for H inner steps: its ranks step together as they would alone (the
+inner optimizer is `MuonAdamW` over the node's ranks only: shared memory, or Gloo within the node),
+and nothing crosses between nodes. Then, at the outer boundary, the nodes meet once:
+
+    delta_n     = theta_global - theta_n          (node n's pseudo-gradient: how far it moved)
+    delta       = sum_n  w_n * delta_n            (w_n: node n's share of the phase's tokens)
+    m           = mu * m + delta                  (outer momentum)
+    theta_global = theta_global - lr * (delta + mu * m)    (Nesterov)
+
+and every node restarts its inner phase from the new theta_global, keeping its inner optimizer
+state. With --outer-lr 1 --outer-momentum 0 the outer step is the token-weighted average of the
+nodes' parameters. The token weights keep the speed split working: a fast node does more rows
+per inner step, so its progress counts for more.
+
+The outer state is sharded like ZeRO over the nodes' first ranks ("leaders"): each leader owns
+an equal slice of the flat parameter vector. An all-to-all gives every leader every node's
+delta of its slice (Gloo's reduce-scatter would cost an all-reduce's bytes), it updates its slice
+and its slice of the momentum, and an all-gather returns theta_global to every leader, in fp32
+or (--param-comm-dtype bfloat16) as bf16-rounded updates that every leader adds alike, so
+theta_global stays bit-identical on every node. Deltas travel in --grad-comm-dtype. The leader
+then hands theta_global to its node's other ranks (shared memory: they read the same weights;
+Gloo within the node: a broadcast).
+
+Per outer step each leader sends (nodes - 1) / nodes of the model twice, where ZeRO-2 sends
+about that every step: H times fewer bytes. `--sync-every auto` runs a first phase of
+AUTO_FIRST_PHASE steps, times its outer sync against the slowest node's inner step, and picks
+the H at which the sync is at most 5 percent of the wall time (`choose_sync_every`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .dist import DistEnv, Watchdog
+from .perf import sync
+
+# torch 2.13 renamed the tensor collectives (the old names warn); older torch has only the old ones
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+AUTO_FIRST_PHASE = 2  # inner steps before auto's first, timed, outer sync: the second is a warm step
+AUTO_WIRE_SHARE = 0.05  # auto: the outer sync at most this share of the wall time
+AUTO_MAX_H = 100  # auto never goes past the published range (H 30-100): quality drops beyond it
+
+
+# ---- which ranks form a node ---------------------------------------------------------------------
+
+@dataclass
+class Nodes:
+    """The run's nodes and the process groups local steps need."""
+
+    index: int  # this rank's node
+    ranks: list[list[int]]  # every node's ranks, by node
+    group: dist.ProcessGroup | None  # this node's ranks (None: the node has one rank, it steps alone)
+    leaders: dist.ProcessGroup | None  # every node's first rank (None: the world, one rank per node)
+    rank: int  # this rank's global rank
+
+    @property
+    def count(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def size(self) -> int:
+        """Ranks on this node."""
+        return len(self.ranks[self.index])
+
+    @property
+    def rank_in_node(self) -> int:
+        return self.ranks[self.index].index(self.rank)
+
+    @property
+    def leader(self) -> bool:
+        return self.rank_in_node == 0
+
+
+def find_nodes(env: DistEnv, watchdog: Watchdog) -> Nodes:
+    """Group the ranks by launcher (torchrun's GROUP_RANK: several launchers on one host are
+    separate nodes); collective: every rank builds every group, in the same order."""
+    mine = int(os.environ.get("GROUP_RANK", "0"))
+    everyone: list[int | None] = [None] * env.world_size
+    with watchdog.phase("all_gather node ranks", 0):
+        dist.all_gather_object(everyone, mine)
+    by_node: dict[int, list[int]] = {}
+    for rank, node in enumerate(everyone):
+        by_node.setdefault(int(node), []).append(rank)
+    ranks = [by_node[n] for n in sorted(by_node)]
+    index = sorted(by_node).index(mine)
+    group = leaders = None
+    if any(len(r) > 1 for r in ranks):
+        with watchdog.phase("new process groups for the nodes", 0):
+            mine_group, _ = dist.new_subgroups_by_enumeration(ranks)
+            group = mine_group if len(ranks[index]) > 1 else None
+            leaders = dist.new_group([r[0] for r in ranks])
+    return Nodes(index, ranks, group, leaders, env.rank)
+
+
+def node_token_share(nodes: Nodes, sizes: list[int]) -> float:
+    """This node's share of an inner step's tokens: its ranks' rows over every rank's."""
+    return sum(sizes[r] for r in nodes.ranks[nodes.index]) / sum(sizes)
+
+
+# ---- when the nodes meet -------------------------------------------------------------------------
+
+@dataclass
+class OuterSchedule:
+    """Outer boundaries at steps first, first + every, first + 2 every, ... and at the last step.
+
+    `every` 1 is the synchronous run: every step is a boundary, and `due` is `step % period == 0`.
+    Until auto has chosen H, `every` is None: the first boundary is the only one known."""
+
+    first: int
+    every: int | None
+    last: int
+
+    def boundary(self, step: int) -> bool:
+        if step == self.last or step == self.first:
+            return True
+        return self.every is not None and step > self.first and (step - self.first) % self.every == 0
+
+    def previous(self, step: int) -> int:
+        """The boundary before `step`, 0 at the start."""
+        if step <= self.first or self.every is None:
+            return 0
+        return self.first + (step - self.first - 1) // self.every * self.every
+
+    def due(self, period: int, step: int) -> bool:
+        """At boundary `step`: whether something done every `period` steps fell in the phase that
+        ended here (evaluations, checkpoints and checksums need every node at theta_global)."""
+        return period > 0 and step // period > self.previous(step) // period
+
+
+def choose_sync_every(sync_s: float, step_s: float) -> tuple[int, str]:
+    """H such that one sync per H inner steps is at most AUTO_WIRE_SHARE of the wall time, and why."""
+    ratio = (1 - AUTO_WIRE_SHARE) / AUTO_WIRE_SHARE  # sync / (H step + sync) <= share  <=>  H >= ratio * sync / step
+    need = ratio * sync_s / max(step_s, 1e-9)
+    h = min(AUTO_MAX_H, max(1, math.ceil(need)))
+    share = sync_s / (h * step_s + sync_s)
+    why = (f"outer sync {sync_s:.2f} s, slowest node's inner step {step_s:.2f} s: at most "
+           f"{AUTO_WIRE_SHARE:.0%} on the wire needs H >= {need:.1f}")
+    if h < need:
+        why += f"; capped at {AUTO_MAX_H} (published range), so {share:.0%} of the wall time is the sync"
+    return h, why
+
+
+# ---- the outer step ------------------------------------------------------------------------------
+
+@dataclass
+class OuterStats:
+    sync_s: float  # the whole outer step, as this rank saw it
+    wait_s: float  # of which blocked on the wire (and on the slower nodes)
+    pseudo_grad_norm: float  # of the nodes' weighted delta
+    sent_bytes: int  # by this node's leader
+    slowest_step_s: float  # the slowest node's mean inner step in the phase that ended
+
+
+class DiLoCo:
+    phase = "outer sync (pseudo-gradient all-to-all, parameter all-gather)"
+
+    def __init__(self, model: torch.nn.Module, nodes: Nodes, token_share: float, outer_lr: float,
+                 outer_momentum: float, grad_dtype: torch.dtype, param_dtype: torch.dtype,
+                 shared_params: bool):
+        self.params = list(model.parameters())
+        self.nodes, self.weight = nodes, token_share
+        self.lr, self.mu = outer_lr, outer_momentum
+        self.grad_dtype, self.param_dtype = grad_dtype, param_dtype
+        self.shared_params = shared_params  # the node's ranks read one copy of the weights (shared memory)
+        self.outer_steps = 0
+        self.wait_s = 0.0  # of the last outer step
+        self.numel = sum(p.numel() for p in self.params)
+        self.shard = -(-self.numel // nodes.count)
+        device = self.params[0].device
+        self.lo = nodes.index * self.shard
+        if not nodes.leader:
+            return
+        full = self.shard * nodes.count  # padded: the last slice's tail is zeros on every node
+        self.theta = torch.zeros(full, dtype=torch.float32, device=device)  # theta_global
+        self.flatten_into(self.theta)
+        self.local = torch.zeros_like(self.theta)  # theta_n, then the weighted delta
+        self.recv = torch.empty(full, dtype=grad_dtype, device=device)
+        self.send = self.local if grad_dtype == torch.float32 else torch.empty_like(self.recv)
+        self.momentum = torch.zeros(self.shard, dtype=torch.float32, device=device)
+        self.new_slice = torch.zeros(self.shard, dtype=torch.float32, device=device)
+        self.updates = None if param_dtype == torch.float32 else torch.empty(full, dtype=param_dtype, device=device)
+
+    def flatten_into(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            flat[offset: offset + p.numel()].copy_(p.detach().reshape(-1))
+            offset += p.numel()
+
+    @property
+    def sent_bytes(self) -> int:
+        """What a leader sends per outer step: the others' slices of its delta, then its own slice
+        of theta_global (or of its rounded update) to every other leader."""
+        others = (self.nodes.count - 1) * self.shard
+        return others * (self.grad_dtype.itemsize + self.param_dtype.itemsize)
+
+    @torch.no_grad()
+    def outer_step(self, mean_step_s: float) -> OuterStats:
+        """Collective over every rank; `mean_step_s` is this rank's mean inner step of the phase."""
+        t0 = time.perf_counter()
+        self.wait_s = 0.0
+        # (squared norm of the delta's slice, mean inner step): summed and maxed over the nodes
+        stats = torch.tensor([0.0, mean_step_s], dtype=torch.float64, device=self.params[0].device)
+        if self.nodes.leader:
+            stats[0] = self._leader_step()
+            everyone = torch.empty(self.nodes.count * 2, dtype=torch.float64, device=stats.device)
+            self._wait(all_gather(everyone, stats, group=self.nodes.leaders, async_op=True))
+            rows = everyone.view(self.nodes.count, 2)
+            stats = torch.stack([rows[:, 0].sum(), rows[:, 1].max()])
+        if self.nodes.group is not None:  # the node's other ranks: the weights, and the stats to agree on H
+            if not self.shared_params:
+                for p in self.params:
+                    dist.broadcast(p.data, group=self.nodes.group, group_src=0)
+            self._wait(dist.broadcast(stats, group=self.nodes.group, group_src=0, async_op=True))
+        self.outer_steps += 1
+        sync(self.params[0].device)
+        return OuterStats(time.perf_counter() - t0, self.wait_s, float(stats[0]) ** 0.5,
+                          self.sent_bytes if self.nodes.leader else 0, float(stats[1]))
+
+    def _leader_step(self) -> float:
+        """The outer update of this leader's slice, theta_global back on every leader and in this
+        node's weights; returns the squared norm of the delta in this slice."""
+        self.flatten_into(self.local)
+        delta = torch.sub(self.theta, self.local, out=self.local).mul_(self.weight)
+        if self.send is not delta:
+            self.send.copy_(delta)
+        self._wait(dist.all_to_all_single(self.recv, self.send, group=self.nodes.leaders, async_op=True))
+        summed = torch.sum(self.recv.view(self.nodes.count, self.shard), dim=0, dtype=torch.float32)
+        norm_sq = float(summed.double().square().sum())
+        self.momentum.mul_(self.mu).add_(summed)
+        step = summed.add_(self.momentum, alpha=self.mu).mul_(-self.lr)  # Nesterov: delta + mu m
+        owned = self.theta[self.lo: self.lo + self.shard]
+        if self.updates is None:
+            torch.add(owned, step, out=self.new_slice)
+            self._wait(all_gather(self.theta, self.new_slice, group=self.nodes.leaders, async_op=True))
+        else:  # every leader, the owner too, adds the same rounded update: theta stays identical
+            self._wait(all_gather(self.updates, step.to(self.param_dtype), group=self.nodes.leaders, async_op=True))
+            self.theta.add_(self.updates)
+        offset = 0
+        for p in self.params:
+            p.copy_(self.theta[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+        return norm_sq
+
+    def _wait(self, work: dist.Work) -> None:
+        sync(self.params[0].device)
+        t0 = time.perf_counter()
+        work.wait()
+        sync(self.params[0].device)
+        self.wait_s += time.perf_counter() - t0
+
+    # ---- checkpointing: theta_global is the model at a boundary; each leader keeps its slice --------
+
+    def state_dict(self) -> dict:
+        state = {"nodes": self.nodes.count, "node": self.nodes.index, "outer_steps": self.outer_steps}
+        if self.nodes.leader:
+            state["momentum"] = self.momentum.clone()
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["nodes"], state["node"]) != (self.nodes.count, self.nodes.index):
+            raise ValueError(
+                f"the outer momentum was saved by node {state['node']} of {state['nodes']}, this is node "
+                f"{self.nodes.index} of {self.nodes.count}: keep the same nodes to resume, or start a new run "
+                f"(--resume never)")
+        self.outer_steps = state["outer_steps"]
+        if self.nodes.leader:
+            self.momentum.copy_(state["momentum"])

@@ -1,0 +1,124 @@
+"""Worker for the local-steps tests: one rank of a node (a torchrun launcher), or alone the 1-node reference.
+
+`identical OUT H`: every node trains on the same batches (its ranks splitting them), STEPS inner
+steps, an outer sync every H steps and after the last, outer lr 1 and momentum 0; rank 0 writes
+the final parameters to OUT. Alone (no torchrun) the same steps on one process: the reference.
+`weighted OUT ROWS`: node n takes ROWS[n] rows of each global batch (different data on every node),
+two inner steps per outer step, two outer steps at the trainer's default outer lr and momentum;
+each node's first rank writes its parameters before each outer step (OUT/node{n}.{k}.pt) and
+rank 0 theta_global before and after each (OUT/global.{k}.pt), for the test to recompute.
+`diverge`: one inner step and an outer step, then the last node's theta_global is nudged; the
+cross-rank checksum the trainer runs after every outer step must stop every rank.
+LOCAL_COMM=auto|gloo: the node's ranks share memory (where there are two) or step through Gloo.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from nanochat_cpu.config import TrainConfig
+from nanochat_cpu.dist import Watchdog, check_parameters_agree
+from nanochat_cpu.optim import build_optimizer
+from nanochat_cpu.shm import make_arena
+from nanochat_cpu.sync_diloco import DiLoCo, find_nodes
+from tests.dist_worker import GLOBAL_ROWS, SEQ, VOCAB, make_model, setup
+
+STEPS = 4
+
+
+def build(outer_lr: float, outer_momentum: float, rows: list[int]):
+    """The model, the node's inner optimizer and the outer one (None alone), and this rank's slice
+    of a global batch of sum(rows) rows: its node's rows, shared evenly by the node's ranks."""
+    env = setup()
+    torch.manual_seed(0)
+    model = make_model()
+    cfg = TrainConfig(weight_decay=0.1)
+    if env.world_size == 1:
+        opt = build_optimizer(model, cfg, 0, 1, torch.float32)
+        diloco, share = None, slice(0, sum(rows))
+    else:
+        watchdog = Watchdog(env, 120)
+        nodes = find_nodes(env, watchdog)
+        arena, _ = make_arena(os.environ.get("LOCAL_COMM", "auto"), nodes.rank_in_node, nodes.size, env.device,
+                              model, nodes.group)
+        opt = build_optimizer(model, cfg, nodes.rank_in_node, nodes.size, torch.float32, arena, nodes.group)
+        node_rows = rows[nodes.index] if len(rows) == nodes.count else rows[0]
+        start = sum(rows[: nodes.index]) if len(rows) == nodes.count else 0
+        per_rank = node_rows // nodes.size
+        share = slice(start + nodes.rank_in_node * per_rank, start + (nodes.rank_in_node + 1) * per_rank)
+        weight = node_rows / (sum(rows) if len(rows) == nodes.count else node_rows * nodes.count)
+        diloco = DiLoCo(model, nodes, weight, outer_lr, outer_momentum, torch.float32, torch.float32,
+                        shared_params=arena is not None)
+    for g in opt.groups:
+        g.eps = 1e-6  # as in dist_worker: tiny gradients summed in another order stay small steps
+    return env, model, opt, diloco, share
+
+
+def inner_step(model, opt, tokens: torch.Tensor, share: slice, node_rows: int) -> None:
+    mine = tokens[share]
+    loss = model(mine[:, :-1], mine[:, 1:])
+    (loss * mine.size(0) / node_rows).backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def save(model, path: Path) -> None:
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, path)
+
+
+def identical(out: str, every: int) -> None:
+    rows = [GLOBAL_ROWS]  # every node the same rows
+    env, model, opt, diloco, share = build(1.0, 0.0, rows)
+    gen = torch.Generator().manual_seed(3)
+    for step in range(1, STEPS + 1):
+        inner_step(model, opt, torch.randint(0, VOCAB, (GLOBAL_ROWS, SEQ + 1), generator=gen), share, GLOBAL_ROWS)
+        if diloco is not None and (step % every == 0 or step == STEPS):
+            diloco.outer_step(0.0)
+    if env.rank == 0:
+        save(model, Path(out))
+
+
+def weighted(out: str, rows_arg: str) -> None:
+    rows = [int(r) for r in rows_arg.split(",")]
+    env, model, opt, diloco, share = build(TrainConfig.outer_lr, TrainConfig.outer_momentum, rows)
+    node_rows = rows[diloco.nodes.index]
+    gen = torch.Generator().manual_seed(3)
+    for k in range(2):
+        if env.rank == 0:
+            save(model, Path(out) / f"global.{k}.pt")
+        for _ in range(2):
+            inner_step(model, opt, torch.randint(0, VOCAB, (sum(rows), SEQ + 1), generator=gen), share, node_rows)
+        if diloco.nodes.leader:
+            save(model, Path(out) / f"node{diloco.nodes.index}.{k}.pt")
+        diloco.outer_step(0.0)
+    if env.rank == 0:
+        save(model, Path(out) / "global.2.pt")
+    check_parameters_agree(env, model, 4, Watchdog(env, 120))
+
+
+def diverge() -> None:
+    env, model, opt, diloco, share = build(TrainConfig.outer_lr, TrainConfig.outer_momentum, [GLOBAL_ROWS])
+    gen = torch.Generator().manual_seed(3)
+    inner_step(model, opt, torch.randint(0, VOCAB, (GLOBAL_ROWS, SEQ + 1), generator=gen), share, GLOBAL_ROWS)
+    diloco.outer_step(0.0)
+    if diloco.nodes.index == diloco.nodes.count - 1 and diloco.nodes.leader:
+        with torch.no_grad():
+            model.blocks[1].mlp.c_fc.weight[0, 0] += 1e-3
+    dist.barrier()  # the shared weights changed before anyone sums them
+    check_parameters_agree(env, model, 1, Watchdog(env, 120))
+    print(f"rank {env.rank}: parameters agree", flush=True)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1]
+    if mode == "identical":
+        identical(sys.argv[2], int(sys.argv[3]))
+    elif mode == "weighted":
+        weighted(sys.argv[2], sys.argv[3])
+    else:
+        diverge()

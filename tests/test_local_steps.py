@@ -1,0 +1,175 @@
+"""Local steps across nodes (sync_diloco.py) on real torchrun launchers and Gloo: each launcher is a node."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from nanochat_cpu.config import TrainConfig
+from nanochat_cpu.sync_diloco import AUTO_MAX_H, OuterSchedule, choose_sync_every
+from tests.test_train_runs import losses, tiny_flags, train_target
+from tests.torchrun_helpers import REPO, free_port, node_env, spawn_node
+
+WORKER = str(REPO / "tests" / "local_steps_worker.py")
+
+
+def run_nodes(nodes: int, target: list[str], nproc: int = 1, env_extra: dict[str, str] | None = None,
+              timeout: float = 240) -> list[tuple[int, str]]:
+    """Every node's (exit code, output): `nodes` launchers of `nproc` ranks each, on loopback."""
+    port, env = free_port(), {**node_env(), **(env_extra or {})}
+    procs = [spawn_node(nodes, n, port, target, nproc=nproc, env=env) for n in range(nodes)]
+    return [(p.returncode, out) for p in procs for out, _ in [p.communicate(timeout=timeout)]]
+
+
+def assert_ok(results: list[tuple[int, str]]) -> str:
+    for code, out in results:
+        assert code == 0, out
+    return "".join(out for _, out in results)
+
+
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory) -> dict[str, torch.Tensor]:
+    out = tmp_path_factory.mktemp("alone") / "params.pt"
+    proc = subprocess.run([sys.executable, WORKER, "identical", str(out), "1"], env=node_env(), capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return torch.load(out)
+
+
+@pytest.mark.parametrize(("nodes", "nproc", "every", "local_comm"),
+                         [(2, 1, 1, "auto"), (3, 1, 3, "auto"), (2, 2, 2, "auto"), (2, 2, 4, "gloo")])
+def test_nodes_fed_identical_batches_end_as_one_node_alone(nodes, nproc, every, local_comm, one_node, tmp_path):
+    """Outer lr 1, momentum 0: the outer step is the nodes' average, so nodes that saw the same
+    batches end where one node alone does, whether a node is one rank or two (shared memory or
+    Gloo within the node), at H = 1 and H > 1: the outer sync's own communication is exact. (Not
+    bit for bit: theta_global - (theta_global - theta_n) rounds, and Adam's small eps turns the
+    embeddings' tiniest gradients' rounding into visible steps: the N-rank tests' tolerance.)"""
+    out = tmp_path / "params.pt"
+    assert_ok(run_nodes(nodes, [WORKER, "identical", str(out), str(every)], nproc, {"LOCAL_COMM": local_comm}))
+    got = torch.load(out)
+    assert got.keys() == one_node.keys() and len(got) > 10
+    for name, ref in one_node.items():
+        torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=2e-5, msg=f"{name}: {nodes} nodes, H={every}")
+
+
+def test_outer_step_is_the_token_weighted_nesterov_update(tmp_path):
+    """Different batches on 3 nodes taking 1, 2 and 3 rows: theta_global after each of two outer
+    steps is what the outer update defines, the nodes' deltas weighted 1/6, 2/6, 3/6."""
+    rows = [1, 2, 3]
+    assert_ok(run_nodes(3, [WORKER, "weighted", str(tmp_path), ",".join(map(str, rows))]))
+    lr, mu = TrainConfig.outer_lr, TrainConfig.outer_momentum
+    momentum: dict[str, torch.Tensor] = {}
+    for k in range(2):
+        before, after = torch.load(tmp_path / f"global.{k}.pt"), torch.load(tmp_path / f"global.{k + 1}.pt")
+        inner = [torch.load(tmp_path / f"node{n}.{k}.pt") for n in range(3)]
+        for name, theta in before.items():
+            delta = sum(w / sum(rows) * (theta - node[name]) for w, node in zip(rows, inner, strict=True))
+            momentum[name] = mu * momentum.get(name, torch.zeros_like(theta)) + delta
+            expected = theta - lr * (delta + mu * momentum[name])
+            torch.testing.assert_close(after[name], expected, rtol=1e-5, atol=1e-6, msg=f"{name}, outer step {k}")
+        # the nodes really trained apart: their parameters differ before the sync
+        assert not torch.equal(inner[0]["lm_head.weight"], inner[2]["lm_head.weight"])
+
+
+def test_checksum_guard_stops_every_rank_when_a_nodes_theta_global_diverged():
+    results = run_nodes(2, [WORKER, "diverge"], nproc=2)
+    out = "".join(o for _, o in results)
+    assert all(code != 0 for code, _ in results), out
+    assert "parameters agree" not in out
+    assert re.search(r"parameters diverged across ranks at step 1: rank 2@\S+ differs from rank 0@\S+ first at "
+                     r"'blocks\.1\.mlp\.c_fc\.weight'", out), out
+
+
+# ---- the trainer ----------------------------------------------------------------------------------
+
+def test_trainer_local_steps_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """Two nodes at H = 4, checkpoints due every 2 steps: they are taken at the outer boundaries
+    only (theta_global, the outer momentum), and a run that died in an inner phase resumes from
+    the last boundary with the uninterrupted run's losses."""
+    def flags(node: int) -> list[str]:
+        return train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=4,
+                                        checkpoint_every=2, keep_checkpoints=5))
+
+    def two_nodes() -> str:
+        port = free_port()
+        procs = [spawn_node(2, n, port, flags(n)) for n in range(2)]
+        outs = [p.communicate(timeout=240)[0] for p in procs]
+        for p, out in zip(procs, outs, strict=True):
+            assert p.returncode == 0, out
+        return outs[0]
+
+    first = two_nodes()
+    full = losses(first)
+    assert sorted(full) == list(range(1, 13))
+    assert re.findall(r"outer step (\d) at step (\d+)", first) == [("1", "00004"), ("2", "00008"), ("3", "00012")]
+    assert "local steps: node 0 of 2 (ranks [0]), 50.0% of each inner step's tokens" in first
+    for node in range(2):
+        saved = sorted(p.name for p in (tmp_path / f"n{node}" / "checkpoints").iterdir())
+        assert saved == ["step_000004", "step_000008", "step_000012"]
+    # both nodes died in the inner phase after step 8: the boundary at 8 is the newest checkpoint
+    for node in range(2):
+        for step in ("step_000012",):
+            for f in (tmp_path / f"n{node}" / "checkpoints" / step).iterdir():
+                f.unlink()
+            (tmp_path / f"n{node}" / "checkpoints" / step).rmdir()
+    second = two_nodes()
+    assert "resumed from checkpoint step 8" in second
+    resumed = losses(second)
+    assert sorted(resumed) == [9, 10, 11, 12]
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
+
+
+def test_trainer_auto_picks_one_h_on_every_rank_of_two_two_rank_nodes(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    results = run_nodes(2, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, sync_every="auto",
+                                                    checkpoint_every=0)), nproc=2)
+    out = assert_ok(results)
+    chosen = re.findall(r"rank (\d)/4\] sync-every auto: H=(\d+) \(outer sync [0-9.]+ s, slowest node's inner step",
+                        out)
+    assert sorted(r for r, _ in chosen) == ["0", "1", "2", "3"] and len({h for _, h in chosen}) == 1, out
+    assert out.count("share parameters, gradients and optimizer state") == 4  # within each node: shared memory
+    assert "eval step 00012 val_bpb=" in out
+
+
+def test_a_synchronous_checkpoint_is_not_resumed_with_local_steps(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    def flags(node: int, every: str) -> list[str]:
+        return train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=every,
+                                        num_iterations=4))
+
+    port = free_port()
+    procs = [spawn_node(2, n, port, flags(n, "1")) for n in range(2)]
+    assert all(p.communicate(timeout=240)[0] is not None and p.returncode == 0 for p in procs)
+    port = free_port()
+    procs = [spawn_node(2, n, port, flags(n, "4")) for n in range(2)]
+    outs = [p.communicate(timeout=240)[0] for p in procs]
+    assert all(p.returncode == 2 for p in procs), outs
+    assert "was trained with every step synchronous (--sync-every 1), this run asks for local steps" in outs[0]
+
+
+# ---- when the nodes meet, and auto's H ------------------------------------------------------------
+
+def test_schedule_of_a_synchronous_run_is_every_step():
+    s = OuterSchedule(1, 1, 100)
+    assert all(s.boundary(step) for step in range(1, 101))
+    assert [step for step in range(1, 101) if s.due(25, step)] == [25, 50, 75, 100]
+    assert not any(s.due(0, step) for step in range(1, 101))
+
+
+def test_schedule_defers_what_falls_inside_an_inner_phase_to_its_boundary():
+    s = OuterSchedule(2, 8, 30)  # auto's first phase of 2, then H = 8; the last phase is short
+    assert [step for step in range(1, 31) if s.boundary(step)] == [2, 10, 18, 26, 30]
+    assert [step for step in range(1, 31) if s.boundary(step) and s.due(5, step)] == [10, 18, 26, 30]
+    assert OuterSchedule(2, None, 30).boundary(2) and not OuterSchedule(2, None, 30).boundary(10)
+
+
+def test_auto_keeps_the_sync_under_five_percent_and_says_when_capped():
+    h, why = choose_sync_every(sync_s=2.0, step_s=4.0)
+    assert h == 10 and 2.0 / (h * 4.0 + 2.0) <= 0.05 and "needs H >= 9.5" in why
+    assert choose_sync_every(0.001, 4.0)[0] == 1
+    h, why = choose_sync_every(sync_s=100.0, step_s=1.0)
+    assert h == AUTO_MAX_H and "capped" in why and "of the wall time is the sync" in why
