@@ -127,7 +127,7 @@ def test_trainer_local_steps_resume_reproduces_losses(tiny_data_dir, tiny_tokeni
 
 def test_trainer_auto_picks_one_h_on_every_rank_of_two_two_rank_nodes(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
     results = run_nodes(2, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, sync_every="auto",
-                                                    checkpoint_every=0)), nproc=2)
+                                                    checkpoint_every=0, total_batch_size=512)), nproc=2)
     out = assert_ok(results)
     chosen = re.findall(r"rank (\d)/4\] sync-every auto: H=(\d+) \(outer sync [0-9.]+ s, slowest node's inner step",
                         out)
