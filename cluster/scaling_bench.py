@@ -23,6 +23,20 @@ Comm `fp32` = gradients and parameters travel in fp32; `bf16` = --grad-comm-dtyp
 --param-comm-dtype bfloat16 (half the bytes each way). Solo runs always use fp32 (no wire).
 Tokens per step are set per depth (--tokens-per-step 4:3072,8:12288): the wire bytes per step are
 fixed by the model, so a larger step hides them behind more compute.
+Sync `--sync-every 1` = every step synchronous (ZeRO-2); H > 1 = DiLoCo, the nodes train alone and
+meet every H steps; `auto` = the trainer picks H (column `h` = the H it used, from its
+`sync-every auto: H=` line). Solo runs are always --sync-every 1.
+
+The measured window. With H = 1: the steps after --warmup-steps, averaged. With H > 1 only the
+boundary steps carry the outer sync (in their dt), so a mean over any steps would depend on how
+many boundaries it caught: the window runs from just after one outer sync to an outer sync whole
+periods later (from rank 0's `outer step K at step S` lines), and tok/s = its tokens / the sum of
+its dt. It starts at the first outer sync at or after the warm-up, and for auto also at or after
+the step where H was picked, so the first outer sync (for auto the one H is measured on) stays
+out. An integer H runs H x max(1, ceil(warmup / H)) + 2H steps: exactly two whole periods
+measured. auto runs --auto-steps steps (H is not known before: the trainer caps it at 100) and
+measures every whole period after the pick (column `periods`); it stops with the step count to
+use when not even one fits.
 Results go to build/scaling.json as they come, the table to stdout at the end.
 """
 
@@ -31,6 +45,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import math
 import re
 import statistics
 import subprocess
@@ -44,6 +59,8 @@ VENV = "/opt/nanochat/venv/bin/python"
 STATE = "/var/lib/nanochat"
 STEP = re.compile(r"step (\d+)/\d+ loss=.*?dt_ms=(\d+) tok_per_s=(\d+).*?"  # rank 0's line, not rank_loss=
                   r"compute_ms=(\d+) optim_ms=(\d+) comm_wait_ms=(\d+)")
+OUTER = re.compile(r"outer step \d+ at step (\d+)\b(?:.*?sync_s=([0-9.]+))?")  # loose: the format may grow
+AUTO = re.compile(r"sync-every auto: H=(\d+)")
 
 
 @dataclass
@@ -74,6 +91,10 @@ class Result:
     efficiency: float | None = None
     vs_fastest: float | None = None
     vs_fastest_est: float | None = None  # the trainer's own estimate, from its timing line
+    sync_every: str = "1"  # as asked (defaults: results written before DiLoCo still load)
+    h: int = 1  # the H the trainer used
+    outer_sync_ms: float | None = None  # mean sync_s of the window's outer syncs
+    periods: int | None = None  # whole outer periods measured (H > 1)
 
 
 def sh(cmd: list[str], timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
@@ -103,8 +124,65 @@ def set_link(node: Node, rate: str) -> None:
     sh([str(REPO / "cluster/shape.sh"), node.container, node.interface, rate])
 
 
+def sync_every_value(text: str) -> str:
+    if text != "auto" and not (text.isdigit() and int(text) >= 1):
+        raise argparse.ArgumentTypeError(f"--sync-every values are 1, an integer H > 1 or auto, got {text!r}")
+    return text if text == "auto" else str(int(text))  # "08" is 8: one spelling per H in the table
+
+
+def steps_for(sync_every: str, args: argparse.Namespace) -> int:
+    """Steps of a cluster run: see the module docstring's measured window."""
+    if sync_every == "auto":
+        return args.auto_steps
+    h = int(sync_every)
+    if h == 1:
+        return args.steps
+    return h * max(1, math.ceil(args.warmup_steps / h)) + 2 * h
+
+
+def measured_window(out: str, sync_every: str, warmup: int, num_steps: int) -> tuple[int, int, int]:
+    """(first, last, H): measure the steps first+1 .. last of rank 0's output `out`; H as the trainer used it."""
+    if sync_every == "1":
+        return min(warmup, num_steps - 1), num_steps, 1
+    picked = AUTO.search(out) if sync_every == "auto" else None
+    if sync_every == "auto" and not picked:
+        raise SystemExit(f"scaling_bench: no 'sync-every auto: H=' line in rank 0's output:\n{out[-3000:]}")
+    h = int(picked.group(1)) if picked else int(sync_every)
+    # the step in progress when auto picked H: the last step line before the pick
+    since = max([int(m.group(1)) for m in STEP.finditer(out, 0, picked.start())], default=0) if picked else 0
+    boundaries = [int(m.group(1)) for m in OUTER.finditer(out)]
+    starts = [s for s in boundaries if s >= max(warmup, since)]
+    if not starts:
+        raise SystemExit(f"scaling_bench: no outer sync after step {max(warmup, since)} in rank 0's output (H={h}, "
+                         f"{num_steps} steps; the line looks like 'outer step K at step S'):\n{out[-3000:]}")
+    first = starts[0]
+    last = max(s for s in starts if (s - first) % h == 0)
+    if last == first:
+        raise SystemExit(f"scaling_bench: H={h} leaves no whole outer period after step {first} of {num_steps}; "
+                         f"run at least {first + 2 * h} steps (--auto-steps)")
+    return first, last, h
+
+
+def window_means(out: str, sync_every: str, warmup: int, num_steps: int) -> dict[str, float | None]:
+    """Rank 0's step times (ms) averaged over the measured window, its H and its outer syncs' mean ms."""
+    first, last, h = measured_window(out, sync_every, warmup, num_steps)
+    steps = {s[0]: s for s in (tuple(map(int, m.groups())) for m in STEP.finditer(out))}
+    measured = [steps[s] for s in range(first + 1, last + 1) if s in steps]
+    if len(measured) < last - first:
+        raise SystemExit(f"scaling_bench: rank 0 logged {len(measured)} of the steps {first + 1}..{last}:\n"
+                         f"{out[-3000:]}")
+    # over whole outer periods the mean dt is the sum of dt / steps: each boundary counted once
+    mean: dict[str, float | None] = {k: statistics.mean(s[i] for s in measured)
+                                     for i, k in ((1, "dt"), (3, "compute"), (4, "optim"), (5, "comm"))}
+    syncs = [float(m.group(2)) for m in OUTER.finditer(out) if m.group(2) and first < int(m.group(1)) <= last]
+    mean["h"] = h
+    mean["periods"] = (last - first) // h if sync_every != "1" else None
+    mean["outer_sync_ms"] = round(1000 * statistics.mean(syncs)) if syncs else None
+    return mean
+
+
 def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: str, comm: str, dataset: str,
-                num_steps: int) -> Result:
+                num_steps: int, sync_every: str = "1") -> Result:
     world = len(nodes)
     rows = args.rows_per_rank
     tokens = args.tokens_per_step[depth]
@@ -115,11 +193,14 @@ def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: 
              "--dtype", "float32",  # the published table computes in fp32
              "--eval-every", "0", "--eval-tokens", str(args.seq * rows * world), "--sample-every", "0",
              "--checkpoint-every", "0", "--checksum-every", "0", "--tracking-uri", "none", "--compile", "off",
-             "--resume", "never", "--collective-timeout", "900", "--run-name", "scaling",
+             "--resume", "never", "--collective-timeout", "900", "--run-name", "scaling", "--sync-every", sync_every,
              "--data-dir", f"{STATE}/data/{dataset}", "--tokenizer-dir", f"{STATE}/tokenizer/{dataset}",
              "--out-dir", "/tmp/nanochat-scaling"]
     if split == "on" and world > 1:
         flags += ["--rank-batch-sizes", "auto"]
+    for name in ("outer_lr", "outer_momentum"):  # unset: the trainer's defaults
+        if getattr(args, name) is not None:
+            flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     procs = []
     for rank, node in enumerate(nodes):
         env = {"GLOO_SOCKET_IFNAME": node.interface, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
@@ -140,19 +221,15 @@ def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: 
     for p, out, node in zip(procs, outs, nodes, strict=True):
         if p.returncode != 0:
             raise SystemExit(f"scaling_bench: the trainer failed on {node.name}:\n{out[-4000:]}")
-    steps = [tuple(map(int, m.groups())) for m in STEP.finditer(outs[0])]
-    measured = [s for s in steps if s[0] > min(args.warmup_steps, num_steps - 1)]
-    if not measured:
-        raise SystemExit(f"scaling_bench: no step lines after warmup in rank 0's output:\n{outs[0][-3000:]}")
-    mean = {k: statistics.mean(s[i] for s in measured)
-            for i, k in ((1, "dt"), (3, "compute"), (4, "optim"), (5, "comm"))}
+    mean = window_means(outs[0], sync_every, args.warmup_steps, num_steps)
     split_line = re.search(r"rows \[([0-9, ]+)\]", outs[0])
     said = re.search(r"tok/s with \d+ ranks = ([0-9.]+)x what rank", outs[0])
     return Result(depth=depth, nodes=world, link="", cpu="", split=split, comm=comm, tokens_per_step=tokens,
                   tok_per_s=round(tokens / (mean["dt"] / 1000), 1), step_ms=round(mean["dt"]),
                   compute_ms=round(mean["compute"]), optim_ms=round(mean["optim"]),
                   comm_wait_ms=round(mean["comm"]), rows=split_line.group(1).replace(" ", "") if split_line else "",
-                  vs_fastest_est=float(said.group(1)) if said else None)
+                  vs_fastest_est=float(said.group(1)) if said else None, sync_every=sync_every, h=mean["h"],
+                  outer_sync_ms=mean["outer_sync_ms"], periods=mean["periods"])
 
 
 def cpu_plan(nodes: list[Node], mode: str, even: float) -> dict[str, float]:
@@ -163,8 +240,9 @@ def cpu_plan(nodes: list[Node], mode: str, even: float) -> dict[str, float]:
 
 
 def print_table(results: list[Result]) -> None:
-    cols = ["depth", "tokens_per_step", "nodes", "link", "cpu", "split", "comm", "rows", "tok_per_s", "efficiency",
-            "vs_fastest", "vs_fastest_est", "step_ms", "compute_ms", "optim_ms", "comm_wait_ms"]
+    cols = ["depth", "tokens_per_step", "nodes", "link", "cpu", "split", "comm", "sync_every", "h", "rows",
+            "tok_per_s", "efficiency", "vs_fastest", "vs_fastest_est", "step_ms", "compute_ms", "optim_ms",
+            "comm_wait_ms", "outer_sync_ms", "periods"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in results:
@@ -195,13 +273,19 @@ def main() -> int:
     p.add_argument("--comms", default="fp32", help="dtypes on the wire: fp32, bf16 (gradients and updates)")
     p.add_argument("--tokens-per-step", type=per_depth, default=per_depth("4:3072,8:12288"),
                    help="depth:tokens per optimizer step, each divisible by seq x rows x every world size")
-    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--sync-every", type=lambda t: [sync_every_value(v) for v in t.split(",")], default=["1"],
+                   help="comma list of --sync-every values for the cluster runs: 1, an integer H or auto")
+    p.add_argument("--outer-lr", type=float, default=None, help="passed to the trainer (default: its own)")
+    p.add_argument("--outer-momentum", type=float, default=None, help="passed to the trainer (default: its own)")
+    p.add_argument("--steps", type=int, default=4, help="steps of a --sync-every 1 run")
+    p.add_argument("--auto-steps", type=int, default=100, help="steps of a --sync-every auto run")
     p.add_argument("--solo-steps", type=int, default=None, help="steps of the solo runs (default --steps)")
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--solos-from", type=Path, action="append", default=[],
                    help="reuse the solo runs of an earlier --out file (same depth, tokens and CPU) instead of "
                         "measuring them again")
-    p.add_argument("--run-timeout", type=float, default=1200)
+    p.add_argument("--run-timeout", type=float, default=1200,
+                   help="seconds one trainer run may take (--sync-every 32 runs 96 steps: raise it at depth 8)")
     p.add_argument("--out", type=Path, default=REPO / "build/scaling.json")
     args = p.parse_args()
     nodes, dataset = read_inventory(args.inventory)
@@ -243,11 +327,13 @@ def main() -> int:
                     plan = cpu_plan(members, mode, args.cpu_even)
                     for n in members:
                         set_cpu(n, plan[n.name])
-                    for split, comm in itertools.product(args.splits.split(","), args.comms.split(",")):
+                    for split, comm, sync_every in itertools.product(args.splits.split(","), args.comms.split(","),
+                                                                     args.sync_every):
                         if split == "on" and mode == "even":
                             continue  # the measured split of equal nodes is the even split
                         t0 = time.time()
-                        r = run_trainer(members, args, depth, split, comm, dataset, args.steps)
+                        r = run_trainer(members, args, depth, split, comm, dataset, steps_for(sync_every, args),
+                                        sync_every)
                         r.link, r.cpu = link if link != "none" else "unlimited", mode
                         solos = [solo[(depth, plan[n.name])] for n in members]
                         r.efficiency = round(r.tok_per_s / sum(solos), 2)

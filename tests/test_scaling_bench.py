@@ -1,0 +1,110 @@
+"""cluster/scaling_bench.py's --sync-every axis: the steps each H runs and the window it measures,
+on made-up rank 0 output (the bench itself needs the container cluster)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from cluster.scaling_bench import Result, measured_window, steps_for, sync_every_value, window_means
+
+PREFIX = "[node0 rank 0/3] "
+
+
+def step_line(step: int, total: int, dt_ms: int) -> str:
+    return (f"{PREFIX}step {step:05d}/{total:05d} loss=5.0000 lrm=1.000 dt_ms={dt_ms} tok_per_s=1000 mfu=1.0 "
+            f"compute_ms=100 optim_ms=10 comm_wait_ms=5\n")
+
+
+def outer_line(k: int, step: int, h: int, sync_s: float = 2.5) -> str:
+    return (f"{PREFIX}outer step {k} at step {step:05d}: sync_s={sync_s:.2f} wait_s=0.10 pseudo_grad_norm=0.1000 "
+            f"sent_mb=20.0 H={h}\n")
+
+
+def fixed_h_output(h: int, steps: int) -> str:
+    """As the trainer logs it: a boundary's outer line before its step line, the last step a boundary."""
+    out, k = "", 0
+    for s in range(1, steps + 1):
+        if s % h == 0 or s == steps:
+            k += 1
+            out += outer_line(k, s, h)
+        out += step_line(s, steps, 3000 if s % h == 0 or s == steps else 1000)
+    return out
+
+
+def args(**kw) -> argparse.Namespace:
+    return argparse.Namespace(**{"steps": 4, "auto_steps": 100, "warmup_steps": 2, **kw})
+
+
+def test_sync_every_values():
+    assert [sync_every_value(v) for v in ("1", "08", "auto")] == ["1", "8", "auto"]
+    for bad in ("0", "-2", "x", "1.5", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            sync_every_value(bad)
+
+
+def test_steps_cover_the_first_sync_and_two_whole_periods():
+    assert steps_for("1", args()) == 4  # --steps, as before
+    assert steps_for("8", args()) == 24  # warm-up inside the first period: 8 + 2 x 8
+    assert steps_for("2", args(warmup_steps=5)) == 10  # first sync at or after step 5 is step 6
+    assert steps_for("auto", args()) == 100
+
+
+def test_h1_window_is_the_steps_after_warmup():
+    assert measured_window("".join(step_line(s, 4, 1000) for s in range(1, 5)), "1", 2, 4) == (2, 4, 1)
+    assert measured_window("", "1", 5, 4) == (3, 4, 1)  # too few steps: at least the last one
+
+
+def test_fixed_h_window_runs_from_a_sync_to_a_sync():
+    out = fixed_h_output(8, steps_for("8", args()))
+    first, last, h = measured_window(out, "8", 2, 24)
+    assert (first, last, h) == (8, 24, 8)  # steps 9..24: the syncs of steps 16 and 24, not 8's
+
+
+def test_a_final_partial_period_stays_out():
+    out = fixed_h_output(8, 30)  # the last sync comes after 6 steps
+    assert measured_window(out, "8", 2, 30)[:2] == (8, 24)
+
+
+def auto_output(h: int, steps: int, first: int = 2) -> str:
+    """The trainer's auto: a timed outer sync after `first` steps picks H, then every H and the last step."""
+    out, k = "", 0
+    for s in range(1, steps + 1):
+        if s == first:
+            out += f"{PREFIX}sync-every auto: H={h} (outer sync 0.40 s, slowest node's inner step 0.70 s: ...)\n"
+        if s == first or s == steps or (s > first and (s - first) % h == 0):
+            k += 1
+            out += outer_line(k, s, h)
+        out += step_line(s, steps, 1000)
+    return out
+
+
+def test_auto_window_starts_after_the_pick():
+    assert measured_window(auto_output(10, 60), "auto", 2, 60) == (2, 52, 10)  # not step 60's short period
+    assert measured_window(auto_output(10, 60, first=4), "auto", 0, 60) == (4, 54, 10)
+
+
+def test_auto_without_a_whole_period_names_the_steps_to_run():
+    with pytest.raises(SystemExit, match="run at least 62 steps"):
+        measured_window(auto_output(30, 20), "auto", 2, 20)
+
+
+def test_a_trainer_without_outer_lines_is_refused():
+    with pytest.raises(SystemExit, match="no outer sync"):
+        measured_window("".join(step_line(s, 24, 1000) for s in range(1, 25)), "8", 2, 24)
+    with pytest.raises(SystemExit, match="auto: H="):
+        measured_window(fixed_h_output(8, 24), "auto", 2, 24)
+
+
+def test_results_written_before_the_axis_still_load():
+    old = {"depth": 4, "nodes": 1, "link": "-", "cpu": "0.6", "split": "off", "comm": "fp32", "tokens_per_step": 3072,
+           "tok_per_s": 1967.0, "step_ms": 1562, "compute_ms": 1500, "optim_ms": 60, "comm_wait_ms": 0, "rows": ""}
+    r = Result(**old)
+    assert (r.sync_every, r.h, r.outer_sync_ms) == ("1", 1, None)
+
+
+def test_window_mean_counts_each_boundary_step_once():
+    mean = window_means(fixed_h_output(8, 24), "8", 2, 24)
+    assert mean["dt"] == (14 * 1000 + 2 * 3000) / 16  # steps 9..24, the boundaries 16 and 24 at 3 s
+    assert (mean["h"], mean["outer_sync_ms"], mean["periods"]) == (8, 2500, 2)
