@@ -17,8 +17,12 @@ WORKERS ?=
 # Demo training run.
 DEPTH ?= 4
 ITERATIONS ?= 50
-# Inner steps between the nodes' outer syncs: 1 (synchronous every step), H or auto (DiLoCo).
-SYNC_EVERY ?= 1
+# Inner steps between the nodes' outer syncs: 1 (synchronous every step), H or auto (local steps:
+# the demo's three nodes, one on 100 Mbit/s, at 1.25x node0 alone where synchronous steps make
+# 0.25x; docs/BENCHMARKS.md).
+SYNC_EVERY ?= auto
+# Tokens per step: 24 rows of 512, enough for the speed split to give node0 twice a laptop's rows.
+BATCH ?= 12288
 # Molecule scenarios `make test` runs.
 SCENARIOS ?= default
 
@@ -37,7 +41,7 @@ help:
 	@echo 'make cluster-down   remove the local cluster'
 	@echo 'make lint           ruff, yamllint, ansible-lint'
 	@echo 'make test           pytest, then molecule test for SCENARIOS ($(SCENARIOS))'
-	@echo 'make demo           setup, image, cluster-up, site.yml, train.yml -e depth=$(DEPTH) -e num_iterations=$(ITERATIONS) -e sync_every=$(SYNC_EVERY)'
+	@echo 'make demo           setup, image, cluster-up, site.yml, train.yml -e depth=$(DEPTH) -e num_iterations=$(ITERATIONS) -e sync_every=$(SYNC_EVERY) -e total_batch_size=$(BATCH)'
 
 setup: host venv
 
@@ -83,5 +87,5 @@ molecule: root venv image
 
 demo: root setup image cluster-up
 	ansible-playbook -i $(INVENTORY) site.yml
-	ansible-playbook -i $(INVENTORY) train.yml -e depth=$(DEPTH) -e num_iterations=$(ITERATIONS) -e sync_every=$(SYNC_EVERY) -e restart=true
+	ansible-playbook -i $(INVENTORY) train.yml -e depth=$(DEPTH) -e num_iterations=$(ITERATIONS) -e sync_every=$(SYNC_EVERY) -e total_batch_size=$(BATCH) -e restart=true
 	ansible-playbook -i $(INVENTORY) playbooks/demo_finish.yml -e depth=$(DEPTH)
