@@ -101,8 +101,10 @@ class TrainConfig:
                           "(DiLoCo); auto = the H at which waiting on the wire is at most 5 percent of the wall time, "
                           "from the first outer sync's measured seconds"},
     )
-    outer_lr: float = field(default=0.7, metadata={"help": "outer SGD LR on the nodes' averaged pseudo-gradient"})
-    outer_momentum: float = field(default=0.9, metadata={"help": "outer Nesterov momentum, in [0, 1)"})
+    # defaults: plain averaging, which beat DiLoCo's published 0.7 / 0.9 at H 8 and 32 (docs/BENCHMARKS.md)
+    outer_lr: float = field(default=1.0, metadata={"help": "outer SGD LR on the nodes' averaged pseudo-gradient "
+                                                           "(1 with momentum 0: the nodes' token-weighted average)"})
+    outer_momentum: float = field(default=0.0, metadata={"help": "outer Nesterov momentum, in [0, 1)"})
     # evaluation, logging, checkpoints
     eval_every: int = field(default=100, metadata={"help": "steps between val bpb evaluations (0 = only at end)"})
     eval_tokens: int = field(default=16384, metadata={"help": "validation tokens per evaluation"})

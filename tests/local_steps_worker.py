@@ -4,7 +4,7 @@
 steps, an outer sync every H steps and after the last, outer lr 1 and momentum 0; rank 0 writes
 the final parameters to OUT. Alone (no torchrun) the same steps on one process: the reference.
 `weighted OUT ROWS`: node n takes ROWS[n] rows of each global batch (different data on every node),
-two inner steps per outer step, two outer steps at the trainer's default outer lr and momentum;
+two inner steps per outer step, two outer steps at outer lr 0.7 and Nesterov momentum 0.9;
 each node's first rank writes its parameters before each outer step (OUT/node{n}.{k}.pt) and
 rank 0 theta_global before and after each (OUT/global.{k}.pt), for the test to recompute.
 `diverge`: one inner step and an outer step, then the last node's theta_global is nudged; the
@@ -29,6 +29,7 @@ from nanochat_cpu.sync_diloco import DiLoCo, find_nodes
 from tests.dist_worker import GLOBAL_ROWS, SEQ, VOCAB, make_model, setup
 
 STEPS = 4
+OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # `weighted`: DiLoCo's published outer step, momentum and all
 
 
 def build(outer_lr: float, outer_momentum: float, rows: list[int]):
@@ -85,7 +86,7 @@ def identical(out: str, every: int) -> None:
 
 def weighted(out: str, rows_arg: str) -> None:
     rows = [int(r) for r in rows_arg.split(",")]
-    env, model, opt, diloco, share = build(TrainConfig.outer_lr, TrainConfig.outer_momentum, rows)
+    env, model, opt, diloco, share = build(OUTER_LR, OUTER_MOMENTUM, rows)
     node_rows = rows[diloco.nodes.index]
     gen = torch.Generator().manual_seed(3)
     for k in range(2):

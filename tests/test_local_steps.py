@@ -9,8 +9,8 @@ import sys
 import pytest
 import torch
 
-from nanochat_cpu.config import TrainConfig
 from nanochat_cpu.sync_diloco import AUTO_MAX_H, OuterSchedule, choose_sync_every
+from tests.local_steps_worker import OUTER_LR, OUTER_MOMENTUM
 from tests.test_train_runs import losses, tiny_flags, train_target
 from tests.torchrun_helpers import REPO, free_port, node_env, spawn_node
 
@@ -61,7 +61,7 @@ def test_outer_step_is_the_token_weighted_nesterov_update(tmp_path):
     steps is what the outer update defines, the nodes' deltas weighted 1/6, 2/6, 3/6."""
     rows = [1, 2, 3]
     assert_ok(run_nodes(3, [WORKER, "weighted", str(tmp_path), ",".join(map(str, rows))]))
-    lr, mu = TrainConfig.outer_lr, TrainConfig.outer_momentum
+    lr, mu = OUTER_LR, OUTER_MOMENTUM
     momentum: dict[str, torch.Tensor] = {}
     for k in range(2):
         before, after = torch.load(tmp_path / f"global.{k}.pt"), torch.load(tmp_path / f"global.{k + 1}.pt")

@@ -380,7 +380,7 @@ def test_sync_every_and_the_outer_step_reach_the_trainer_flags(tmp_path: Path) -
     res = run_validate_on_localhost(tmp_path, {}, "-e", "sync_every=auto", "-e", "outer_lr=0.5")
     assert res.returncode == 0, res.stdout + res.stderr
     args = (tmp_path / "train_args").read_text()
-    assert "--sync-every auto --outer-lr 0.5 --outer-momentum 0.9" in args, args
+    assert "--sync-every auto --outer-lr 0.5 --outer-momentum 0.0" in args, args
 
 
 def test_work_split_from_the_inventory_is_checked_per_host(tmp_path: Path) -> None:
