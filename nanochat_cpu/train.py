@@ -255,7 +255,7 @@ def setup_optimizer(cfg: TrainConfig, env: DistEnv, model: GPT, muon_dtype: torc
 
 def find_local_step_nodes(cfg: TrainConfig, env: DistEnv, watchdog: Watchdog) -> Nodes | None:
     """The nodes, when --sync-every asks for local steps and there is more than one node."""
-    if cfg.sync_every == "1" or not env.distributed:
+    if sync_every_steps(cfg) == 1 or not env.distributed:
         return None
     nodes = find_nodes(env, watchdog)
     if nodes.count == 1:
@@ -287,11 +287,12 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
         schedule = OuterSchedule(AUTO_FIRST_PHASE, None, cfg.num_iterations)
     else:
         schedule = OuterSchedule(every, every, cfg.num_iterations)
+    average = " (a plain average)" if (cfg.outer_lr, cfg.outer_momentum) == (1, 0) else ""
     log(env, f"local steps: node {nodes.index} of {nodes.count} (ranks {nodes.ranks[nodes.index]}), "
              f"{share:.1%} of each inner step's tokens; outer sync every "
              f"{schedule.every or f'auto (first after {schedule.first})'} steps, outer lr {cfg.outer_lr} "
-             f"Nesterov momentum {cfg.outer_momentum}, {diloco.sent_bytes / 2**20:.1f} MiB sent per outer step "
-             f"by the node's first rank")
+             f"Nesterov momentum {cfg.outer_momentum}{average}, "
+             f"{diloco.sent_bytes / 2**20:.1f} MiB sent per outer step by the node's first rank")
     return diloco, schedule
 
 
