@@ -37,7 +37,8 @@ out. An integer H runs H x max(1, ceil(warmup / H)) + 2H steps: exactly two whol
 measured. auto runs --auto-steps steps (H is not known before: the trainer caps it at 100) and
 measures every whole period after the pick (column `periods`); it stops with the step count to
 use when not even one fits.
-Results go to build/scaling.json as they come, the table to stdout at the end.
+Results go to build/scaling.json as they come (rank 0's output of each run to build/scaling/), the table to
+stdout at the end.
 """
 
 from __future__ import annotations
@@ -221,6 +222,10 @@ def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: 
     for p, out, node in zip(procs, outs, nodes, strict=True):
         if p.returncode != 0:
             raise SystemExit(f"scaling_bench: the trainer failed on {node.name}:\n{out[-4000:]}")
+    # rank 0's whole output beside the results: the numbers behind auto's H, the timing lines
+    log = args.out.with_suffix("") / f"d{depth}-n{world}-{split}-{comm}-s{sync_every}-{time.strftime('%H%M%S')}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(outs[0])
     mean = window_means(outs[0], sync_every, args.warmup_steps, num_steps)
     split_line = re.search(r"rows \[([0-9, ]+)\]", outs[0])
     said = re.search(r"tok/s with \d+ ranks = ([0-9.]+)x what rank", outs[0])
