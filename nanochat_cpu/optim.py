@@ -25,7 +25,7 @@ from .grad_target import set_grad_target
 from .shm import SharedArena
 from .sync_local import LocalSync
 from .sync_shared import SharedMemorySync
-from .sync_strategy import SyncStrategy
+from .sync_strategy import WIRE_DTYPES, SyncStrategy
 from .sync_zero2 import Zero2Sync
 
 # Quintic Newton-Schulz coefficients (Keller Jordan, modded-nanogpt): maximise the slope at
@@ -232,6 +232,5 @@ def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dt
         by_shape.setdefault(tuple(p.shape), []).append(p)
     muon = [Group("muon", f"matrix_{'x'.join(map(str, shape))}", ps, lr=cfg.matrix_lr,
                   weight_decay=cfg.weight_decay) for shape, ps in sorted(by_shape.items())]
-    wire = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     return MuonAdamW([g for g in adamw if g.params] + muon, rank, world_size, muon_dtype,
-                     wire[cfg.grad_comm_dtype], wire[cfg.param_comm_dtype], arena, group)
+                     WIRE_DTYPES[cfg.grad_comm_dtype], WIRE_DTYPES[cfg.param_comm_dtype], arena, group)

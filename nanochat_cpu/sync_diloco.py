@@ -42,9 +42,7 @@ import torch.distributed as dist
 
 from .dist import DistEnv, Watchdog
 from .perf import sync
-
-# torch 2.13 renamed the tensor collectives (the old names warn); older torch has only the old ones
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+from .sync_strategy import all_gather, wait_timed
 
 AUTO_FIRST_PHASE = 2  # inner steps before auto's first, timed, outer sync: the second is a warm step
 AUTO_WIRE_SHARE = 0.05  # auto: the outer sync at most this share of the wall time
@@ -252,11 +250,7 @@ class DiLoCo:
         return norm_sq
 
     def _wait(self, work: dist.Work) -> None:
-        sync(self.params[0].device)
-        t0 = time.perf_counter()
-        work.wait()
-        sync(self.params[0].device)
-        self.wait_s += time.perf_counter() - t0
+        self.wait_s += wait_timed(work, self.params[0].device)
 
     # ---- checkpointing: theta_global is the model at a boundary; each leader keeps its slice --------
 

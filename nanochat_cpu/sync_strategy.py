@@ -28,10 +28,14 @@ flat-buffer layout of a group, and putting a parameter's gradient into its place
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
+
+from .perf import sync
 
 if TYPE_CHECKING:
     from .optim import Group, MuonAdamW
@@ -55,6 +59,26 @@ class SyncStrategy:
     def load_state(self, g: Group, saved: dict[str, torch.Tensor]) -> None:
         """Take a group's checkpointed state (read onto the CPU) as it is, on the parameters' device."""
         g.state = {k: v.to(self.opt.device, copy=True) for k, v in saved.items()}
+
+
+# ---- waiting on the wire: what the strategies that communicate share ------------------------------
+
+# torch 2.13 renamed the tensor collectives (the old names warn); older torch has only the old ones
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+# the dtypes --grad-comm-dtype and --param-comm-dtype name
+WIRE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def wait_timed(work: dist.Work, device: torch.device) -> float:
+    """Block until a collective is complete; the seconds it blocked. On CUDA, Work.wait() only
+    makes the compute stream wait, so the host synchronises too: otherwise the wait would surface,
+    unmeasured, in whatever synchronises next."""
+    sync(device)  # the kernels queued before it are compute, not waiting
+    t0 = time.perf_counter()
+    work.wait()
+    sync(device)
+    return time.perf_counter() - t0
 
 
 # ---- a group as one flat buffer cut into equal per-rank slices --------------------------------

@@ -33,22 +33,18 @@ implement for reduce-scatter.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
-from .perf import sync
 from .sparse_rows import TouchedRows
-from .sync_strategy import FlatLayout, SyncStrategy, grad_into, view_into
+from .sync_strategy import FlatLayout, SyncStrategy, all_gather, grad_into, view_into, wait_timed
 
 if TYPE_CHECKING:
     from .optim import Group, MuonAdamW
 
-# torch 2.13 renamed the tensor collectives (the old names warn); older torch has only the old ones
-all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -185,14 +181,7 @@ class Zero2Sync(SyncStrategy):
                      ("rows", all_rows, all_gather(all_rows, send_rows, group=self.opt.group, async_op=True))]
 
     def _wait(self, work: dist.Work) -> None:
-        """Block until a collective is complete; the time counts as communication wait. On CUDA,
-        Work.wait() only makes the compute stream wait, so the host synchronises too: otherwise
-        the wait would surface, unmeasured, in whatever synchronises next."""
-        sync(self.opt.device)  # the update kernels queued before it are optimizer time, not waiting
-        t0 = time.perf_counter()
-        work.wait()
-        sync(self.opt.device)
-        self.comm_wait += time.perf_counter() - t0
+        self.comm_wait += wait_timed(work, self.opt.device)
 
     def _finish_reduce(self, g: Group, s: Zero2Slice) -> None:
         got = {}

@@ -57,6 +57,7 @@ from .optim import MuonAdamW, build_optimizer
 from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib, reuse_freed_memory, sync
 from .shm import make_arena
 from .sync_diloco import AUTO_FIRST_PHASE, DiLoCo, Nodes, OuterSchedule, choose_sync_every, find_nodes, node_token_share
+from .sync_strategy import WIRE_DTYPES
 from .tokenizer import Tokenizer
 from .tracking import Tracker
 from .work_split import choose_split, log_rank_timings
@@ -270,10 +271,9 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
     """The outer optimizer (None: every step synchronous) and its boundaries, resumed from `extra`."""
     if nodes is None:
         return None, OuterSchedule(1, 1, cfg.num_iterations)
-    wire = {"float32": torch.float32, "bfloat16": torch.bfloat16}
     share = node_token_share(nodes, sizes)
-    diloco = DiLoCo(model, nodes, share, cfg.outer_lr, cfg.outer_momentum, wire[cfg.grad_comm_dtype],
-                    wire[cfg.param_comm_dtype], shared_params=opt.arena is not None)
+    diloco = DiLoCo(model, nodes, share, cfg.outer_lr, cfg.outer_momentum, WIRE_DTYPES[cfg.grad_comm_dtype],
+                    WIRE_DTYPES[cfg.param_comm_dtype], shared_params=opt.arena is not None)
     if "outer" in extra:
         try:
             diloco.load_state_dict(extra["outer"])

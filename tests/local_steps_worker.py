@@ -123,3 +123,6 @@ if __name__ == "__main__":
         weighted(sys.argv[2], sys.argv[3])
     else:
         diverge()
+    if dist.is_initialized():  # every rank done before the groups go: torn down at exit, Gloo aborts
+        dist.barrier()
+        dist.destroy_process_group()

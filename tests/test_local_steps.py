@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -12,7 +15,7 @@ import torch
 from nanochat_cpu.sync_diloco import AUTO_MAX_H, OuterSchedule, choose_sync_every
 from tests.local_steps_worker import OUTER_LR, OUTER_MOMENTUM
 from tests.test_train_runs import losses, tiny_flags, train_target
-from tests.torchrun_helpers import REPO, free_port, node_env, spawn_node
+from tests.torchrun_helpers import REPO, free_port, kill_tree, node_env, spawn_node
 
 WORKER = str(REPO / "tests" / "local_steps_worker.py")
 
@@ -22,7 +25,28 @@ def run_nodes(nodes: int, target: list[str], nproc: int = 1, env_extra: dict[str
     """Every node's (exit code, output): `nodes` launchers of `nproc` ranks each, on loopback."""
     port, env = free_port(), {**node_env(), **(env_extra or {})}
     procs = [spawn_node(nodes, n, port, target, nproc=nproc, env=env) for n in range(nodes)]
-    return [(p.returncode, out) for p in procs for out, _ in [p.communicate(timeout=timeout)]]
+    return collect(procs, timeout)
+
+
+def collect(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
+    """Every node's (exit code, output). A node that fails stops the others: they would wait for
+    it in the rendezvous or a collective for minutes, hiding its error behind a timeout."""
+    outs: list[list[str]] = [[] for _ in procs]
+    readers = [threading.Thread(target=lambda p=p, out=out: out.extend(p.stdout), daemon=True)
+               for p, out in zip(procs, outs, strict=True)]  # a full pipe would block a node
+    for r in readers:
+        r.start()
+    deadline = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if any(p.returncode not in (None, 0) for p in procs):
+            break
+        time.sleep(0.2)
+    for p in procs:
+        if p.poll() is None:
+            kill_tree(p.pid, signal.SIGKILL)
+    for r in readers:
+        r.join(timeout=30)
+    return [(p.wait(), "".join(out)) for p, out in zip(procs, outs, strict=True)]
 
 
 def assert_ok(results: list[tuple[int, str]]) -> str:
@@ -94,13 +118,11 @@ def test_trainer_local_steps_resume_reproduces_losses(tiny_data_dir, tiny_tokeni
         return train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=4,
                                         checkpoint_every=2, keep_checkpoints=5))
 
-    def two_nodes() -> str:
+    def two_nodes() -> str:  # each node its own run directory, as on real machines
         port = free_port()
-        procs = [spawn_node(2, n, port, flags(n)) for n in range(2)]
-        outs = [p.communicate(timeout=240)[0] for p in procs]
-        for p, out in zip(procs, outs, strict=True):
-            assert p.returncode == 0, out
-        return outs[0]
+        results = collect([spawn_node(2, n, port, flags(n)) for n in range(2)], 240)
+        assert_ok(results)
+        return results[0][1]
 
     first = two_nodes()
     full = losses(first)
