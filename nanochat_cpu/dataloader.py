@@ -30,13 +30,13 @@ def carry_over_position(saved: list[dict[str, Any]], rank: int, world_size: int,
     len(row_group_pairs(data_dir, split)). With W == world_size the rank's own state comes back
     untouched (an exact resume). Otherwise the old world's remaining work is dealt anew:
 
-    - Each old rank's remaining work is its schedule from its position on: the rest of the
-      epoch it is in (its first row group begun at its saved doc_index/token_offset), then whole
-      shares of the later epochs. Epochs run up to the horizon: the latest epoch any old rank
-      has begun (ranks with uneven batches drift apart, even by several epochs). Past the
-      horizon nobody has read anything, so every epoch after it is a normal one.
+    - Each old rank's remaining work is its schedule from its position on: the rest of its
+      list or epoch (the row group it stands in begun at its saved doc_index/token_offset),
+      then whole shares of the later epochs. Epochs count up to the horizon: the latest epoch
+      an old rank stands in or holds carried-over row groups of (ranks with uneven batches drift
+      apart, even by several epochs). Nobody has read anything past it.
     - In every epoch up to the horizon, the row groups still to read are exactly the union of
-      the old ranks' remaining ones: the old deal gave each row group to one rank per epoch, so
+      the old ranks' remaining ones: every deal gives each row group of an epoch to one rank, so
       the ones missing from the union were read, and the ones in it were not (or only up to the
       saved offset). Ranks ahead have nothing left in the epochs behind them; ranks behind owe
       their whole shares of the epochs in between.
