@@ -172,7 +172,8 @@ class SlicedState(SyncStrategy):
     """A strategy whose ranks each checkpoint a static slice of every group's state: rank r the
     items [r * shard, (r + 1) * shard) of its FlatLayout, the last slices padded with zeros;
     Muon's as "momentum", AdamW's as "exp_avg.0" and "exp_avg_sq.0" (Group.adamw_state of one
-    tensor). A rank that owns no Muon matrix, or one that has not stepped, saves nothing of it."""
+    tensor). ZeRO-2 makes its state on first use, and only for Muon matrices a rank owns: before its
+    first step, or owning only padding, a rank saves nothing of a group."""
 
     SLICE_KEYS = {"momentum": "momentum", "exp_avg": "exp_avg.0", "exp_avg_sq": "exp_avg_sq.0"}
 
