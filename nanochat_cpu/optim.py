@@ -25,7 +25,7 @@ from .grad_target import set_grad_target
 from .shm import SharedArena
 from .sync_local import LocalSync
 from .sync_shared import SharedMemorySync
-from .sync_strategy import WIRE_DTYPES, SyncStrategy
+from .sync_strategy import WHOLE_KEYS, WIRE_DTYPES, FlatLayout, SyncStrategy, layout_record
 from .sync_zero2 import Zero2Sync
 
 # Quintic Newton-Schulz coefficients (Keller Jordan, modded-nanogpt): maximise the slope at
@@ -191,25 +191,116 @@ class MuonAdamW:
     def last_units_run(self) -> int:
         return self.sync.last_units_run
 
-    # ---- checkpointing: each rank saves and loads only its own shard -----------------------
+    # ---- checkpointing: each rank saves its own shard; any layout loads the whole state ---------
 
     def state_dict(self) -> dict:
+        """This rank's shard, and what it takes to read it without the model: the strategy, and
+        each group's layout (`layout_record`) over the `world_size` ranks that step together."""
         return {
             "step_count": self.step_count,
             "world_size": self.world_size,
             "rank": self.rank,
             "groups": {g.name: {k: v.clone() for k, v in g.state.items()} for g in self.groups},
+            "strategy": self.sync.name,
+            "layouts": self.layouts(),
         }
 
+    def layouts(self) -> dict[str, dict]:
+        return {g.name: layout_record(g, self.world_size) for g in self.groups}
+
     def load_state_dict(self, sd: dict) -> None:
+        """This rank's own shard (saved by the same rank of as many ranks), taken as it is; or a
+        whole state (merge_optimizer_states), of which this rank takes its part in its own layout."""
+        if sd.get("format") == WHOLE_FORMAT:
+            self._load_whole(sd)
+            return
         if sd["world_size"] != self.world_size or sd["rank"] != self.rank:
             raise ValueError(
                 f"optimizer shard was saved by rank {sd['rank']} of {sd['world_size']}, this is rank "
-                f"{self.rank} of {self.world_size}: keep the same hosts and processes per node to resume, "
-                f"or start a new run (--resume never)")
+                f"{self.rank} of {self.world_size}: load the whole state merged from every rank's shard "
+                f"(merge_optimizer_states), or start a new run (--resume never)")
+        differ = groups_laid_out_differently(sd["layouts"], self.layouts()) if "layouts" in sd else []
+        if differ:
+            raise ValueError(f"optimizer shard's groups {differ} are laid out differently from this model's: "
+                             f"not a checkpoint of this model's optimizer; start a new run (--resume never)")
         self.step_count = sd["step_count"]
         for g in self.groups:  # checkpoints are read onto the CPU: the state goes to the parameters' device
             self.sync.load_state(g, sd["groups"][g.name])
+
+    def _load_whole(self, sd: dict) -> None:
+        """Check that the whole state fits every group of this model, then load each rank's part."""
+        names = [g.name for g in self.groups]
+        if set(sd["groups"]) != set(names):
+            raise ValueError(f"whole optimizer state has groups {sorted(sd['groups'])}, this model's optimizer "
+                             f"{sorted(names)}: not a checkpoint of this model; start a new run (--resume never)")
+        wholes = {}
+        for g in self.groups:
+            layout = FlatLayout.of(g, 1)
+            want = {key: (layout.numel, *layout.item) for key in WHOLE_KEYS[g.kind]}
+            got = {key: tuple(t.shape) for key, t in sd["groups"][g.name].items()}
+            if got != want:
+                raise ValueError(f"whole optimizer state of group {g.name} holds {got}, this model's needs {want}: "
+                                 f"not a checkpoint of this model; start a new run (--resume never)")
+            wholes[g.name] = {k: t.to(g.params[0].dtype) for k, t in sd["groups"][g.name].items()}
+        self.step_count = sd["step_count"]
+        for g in self.groups:
+            self.sync.load_state(g, self.sync.shard_of_whole(g, wholes[g.name]))
+
+
+# ---- the optimizer state whatever the layout --------------------------------------------------------
+
+WHOLE_FORMAT = "whole"  # a whole optimizer state's "format" (a rank's own shard has none)
+STRATEGIES: dict[str, type[SyncStrategy]] = {s.name: s for s in (LocalSync, Zero2Sync, SharedMemorySync)}
+
+
+def groups_laid_out_differently(a: dict[str, dict], b: dict[str, dict]) -> list[str]:
+    """The groups whose recorded layouts (MuonAdamW.layouts) differ, or that only one side has."""
+    return sorted(name for name in a.keys() | b.keys() if a.get(name) != b.get(name))
+
+
+def merge_optimizer_states(saved: list[dict]) -> dict:
+    """The whole optimizer state from the state_dict()s of every rank of one optimizer (the ranks it
+    stepped over: the world, or with local steps one node's), saved[r] rank r's.
+
+    Returns {"format": "whole", "step_count": int, "saved_by": {"strategy": str, "world_size": int},
+    "groups": {group: {key: tensor}}}: per group Muon's "momentum" or AdamW's "exp_avg" and
+    "exp_avg_sq", each (items, *item) without padding (sync_strategy.WHOLE_KEYS), on the CPU;
+    only tensors, ints and strings (loads with weights_only=True). `MuonAdamW.load_state_dict`
+    takes it at any world size and with any strategy. Raises ValueError, naming what differs, for
+    shards that do not make one whole: missing or extra ranks, other step counts, strategies,
+    groups or layouts, tensors of the wrong shape, shards saved without their layouts.
+    """
+    if not saved:
+        raise ValueError("no optimizer shards to merge")
+    if any("layouts" not in sd for sd in saved):
+        raise ValueError("optimizer shards saved without their layouts (an older checkpoint) cannot be merged: "
+                         "resume with the world that saved them, or start a new run (--resume never)")
+    ranks = [(sd["rank"], sd["world_size"]) for sd in saved]
+    if ranks != [(r, len(saved)) for r in range(len(saved))]:
+        raise ValueError(f"optimizer shards of (rank, world size) {ranks}: merging needs every rank 0..n-1 of one "
+                         f"world of n, in rank order")
+    first = saved[0]
+    for key in ("step_count", "strategy"):
+        if any(sd[key] != first[key] for sd in saved):
+            raise ValueError(f"optimizer shards differ in {key} (by rank: {[sd[key] for sd in saved]}): "
+                             f"not one optimizer's shards")
+    for r, sd in enumerate(saved):
+        differ = groups_laid_out_differently(sd["layouts"], first["layouts"])
+        if differ:
+            raise ValueError(f"optimizer shards of ranks 0 and {r} differ in the layouts of groups {differ}: "
+                             f"not one optimizer's shards")
+    if first["strategy"] not in STRATEGIES:
+        raise ValueError(f"optimizer shards of an unknown strategy {first['strategy']!r}: not one of "
+                         f"{list(STRATEGIES)}")
+    strategy = STRATEGIES[first["strategy"]]
+    groups = {}
+    for name, layout in first["layouts"].items():
+        missing = [r for r, sd in enumerate(saved) if name not in sd["groups"]]
+        if missing:
+            raise ValueError(f"optimizer shards of ranks {missing} lack group {name}")
+        groups[name] = strategy.whole_of_shards(name, layout, [sd["groups"][name] for sd in saved])
+    return {"format": WHOLE_FORMAT, "step_count": first["step_count"], "groups": groups,
+            "saved_by": {"strategy": first["strategy"], "world_size": first["world_size"]}}
 
 
 def build_optimizer(model, cfg, rank: int, world_size: int, muon_dtype: torch.dtype,

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from .grad_target import clear_gradients, set_grad_target
 from .shm import SharedArena
 from .sparse_rows import TouchedRows
-from .sync_strategy import FlatLayout, SyncStrategy, view_into
+from .sync_strategy import FlatLayout, SlicedState, view_into
 
 if TYPE_CHECKING:
     from .optim import Group, MuonAdamW
@@ -80,8 +80,12 @@ class WorkUnit:
         return self.shared.group
 
 
-class SharedMemorySync(SyncStrategy):
+class SharedMemorySync(SlicedState):
+    """Every rank maps the whole state; each checkpoints (and loads) only its static slice of it
+    (SlicedState), so the slices of all ranks make the whole, as with ZeRO-2's owners."""
+
     phase = "optimizer step (shared-memory work queue)"
+    name = "shared"
 
     def __init__(self, opt: MuonAdamW, arena: SharedArena):
         super().__init__(opt)

@@ -16,6 +16,13 @@ buffers and register gradient hooks on them) and then sees only these calls:
     zero_grad()      ready the gradients for the next step
     load_state(g, s) put a checkpointed shard of group g's optimizer state back
 
+and, for a checkpoint resumed at another world size or with another strategy, the conversions
+between its shards and a group's whole state (`WHOLE_KEYS`, the unpadded items; optim.py's
+`merge_optimizer_states`):
+
+    whole_of_shards(name, layout, shards)   every rank's saved shard of a group -> the whole state
+    shard_of_whole(g, whole)                the whole state -> the shard this rank keeps
+
 plus `phase`, the watchdog's name for what step() waits on, and `comm_wait`, the seconds the last
 step spent blocked on communication. The ranks a strategy spans are the optimizer's `group`: the
 world, or with local steps (sync_diloco.py) one node's ranks, the nodes meeting only in an outer
@@ -41,10 +48,18 @@ if TYPE_CHECKING:
     from .optim import Group, MuonAdamW
 
 
+# A group's whole optimizer state, whatever strategy kept it: each tensor (items, *item) as in
+# FlatLayout (all elements of a dense AdamW group, all rows of a table group, all matrices of a
+# Muon group), in the order of the group's parameters, without padding
+WHOLE_KEYS = {"muon": ("momentum",), "adamw": ("exp_avg", "exp_avg_sq")}
+
+
 class SyncStrategy:
-    """The interface `MuonAdamW` delegates to; subclasses implement step and zero_grad."""
+    """The interface `MuonAdamW` delegates to; subclasses implement step and zero_grad, and the
+    conversions of their checkpointed state."""
 
     phase = "optimizer step"  # the watchdog's name for a step() that hangs or fails
+    name = ""  # how a checkpoint names the strategy that saved it
 
     def __init__(self, opt: MuonAdamW):
         self.opt = opt  # its groups, step count and sync_in_backward flag; its adamw and muon updates
@@ -59,6 +74,18 @@ class SyncStrategy:
     def load_state(self, g: Group, saved: dict[str, torch.Tensor]) -> None:
         """Take a group's checkpointed state (read onto the CPU) as it is, on the parameters' device."""
         g.state = {k: v.to(self.opt.device, copy=True) for k, v in saved.items()}
+
+    @staticmethod
+    def whole_of_shards(name: str, layout: dict, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """Group `name`'s whole state (WHOLE_KEYS) from every rank's saved shard of it, in rank
+        order; `layout` is the group's `layout_record` as saved. Zeros where nothing was saved
+        yet (state is made on first use): the same as a fresh state."""
+        raise NotImplementedError
+
+    def shard_of_whole(self, g: Group, whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The part of a group's whole state (checked to fit) this rank keeps, as its own state
+        names it: what load_state takes."""
+        raise NotImplementedError
 
 
 # ---- waiting on the wire: what the strategies that communicate share ------------------------------
@@ -122,6 +149,59 @@ class FlatLayout:
     def owned(self, rank: int) -> int:
         """How many real items (not padding) `rank`'s slice holds."""
         return max(0, min(self.shard, self.numel - rank * self.shard))
+
+
+def layout_record(g: Group, world_size: int) -> dict:
+    """What a checkpoint records of a group's layout, so that its shards can be read without the
+    model: only ints, strings and lists (a canonical state loads with weights_only=True)."""
+    layout = FlatLayout.of(g, world_size)
+    return {"kind": g.kind, "item": list(layout.item), "items": layout.numel, "shard": layout.shard,
+            "params": [list(p.shape) for p in g.params]}
+
+
+def checked_part(name: str, key: str, part: torch.Tensor | None, shape: tuple[int, ...], where: str,
+                 ) -> torch.Tensor | None:
+    """A saved tensor of a group's state, refused (ValueError) unless it has the layout's shape."""
+    if part is not None and tuple(part.shape) != shape:
+        raise ValueError(f"optimizer state of group {name}: {where} {key} has shape {tuple(part.shape)}, "
+                         f"its recorded layout needs {shape}: the shards do not fit together")
+    return part
+
+
+class SlicedState(SyncStrategy):
+    """A strategy whose ranks each checkpoint a static slice of every group's state: rank r the
+    items [r * shard, (r + 1) * shard) of its FlatLayout, the last slices padded with zeros;
+    Muon's as "momentum", AdamW's as "exp_avg.0" and "exp_avg_sq.0" (Group.adamw_state of one
+    tensor). ZeRO-2 makes its state on first use, and only for Muon matrices a rank owns: before its
+    first step, or owning only padding, a rank saves nothing of a group."""
+
+    SLICE_KEYS = {"momentum": "momentum", "exp_avg": "exp_avg.0", "exp_avg_sq": "exp_avg_sq.0"}
+
+    @staticmethod
+    def whole_of_shards(name: str, layout: dict, shards: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        shape = (layout["shard"], *layout["item"])
+        whole = {}
+        for key in WHOLE_KEYS[layout["kind"]]:
+            saved_key = SlicedState.SLICE_KEYS[key]
+            parts = [checked_part(name, saved_key, shard.get(saved_key), shape, f"rank {r}'s")
+                     for r, shard in enumerate(shards)]
+            dtype = next((p.dtype for p in parts if p is not None), torch.float32)
+            slices = [torch.zeros(shape, dtype=dtype) if p is None else p.to(dtype) for p in parts]
+            whole[key] = torch.cat(slices)[: layout["items"]].clone()  # the padding dropped
+        return whole
+
+    def shard_of_whole(self, g: Group, whole: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        layout = FlatLayout.of(g, self.opt.world_size)
+        lo = self.opt.rank * layout.shard
+        shard = {}
+        for key, tensor in whole.items():
+            part = torch.zeros((layout.shard, *layout.item), dtype=tensor.dtype)
+            real = tensor[lo: lo + layout.shard]  # fewer items in the last slices, none past the end
+            part[: len(real)] = real
+            shard[self.SLICE_KEYS[key]] = part
+        if g.kind == "adamw":
+            shard["exp_avg"] = torch.zeros(0)  # Group.adamw_state's marker: state initialised
+        return shard
 
 
 def view_into(g: Group, layout: FlatLayout, param_buf: torch.Tensor, grad_buf: torch.Tensor,

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 from .sparse_rows import TouchedRows
-from .sync_strategy import FlatLayout, SyncStrategy, all_gather, grad_into, view_into, wait_timed
+from .sync_strategy import FlatLayout, SlicedState, all_gather, grad_into, view_into, wait_timed
 
 if TYPE_CHECKING:
     from .optim import Group, MuonAdamW
@@ -63,8 +63,11 @@ class Zero2Slice:
     ready: int = 0  # parameters whose last-micro-step gradient is complete
 
 
-class Zero2Sync(SyncStrategy):
+class Zero2Sync(SlicedState):
+    """Each rank's optimizer state is that of the slice it owns (SlicedState), made on first use."""
+
     phase = "optimizer reduce-scatter/all-gather"
+    name = "zero2"
 
     def __init__(self, opt: MuonAdamW, comm_dtype: torch.dtype, param_comm_dtype: torch.dtype):
         super().__init__(opt)

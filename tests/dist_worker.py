@@ -49,8 +49,8 @@ def setup() -> DistEnv:
     return env
 
 
-def make_model() -> GPT:
-    cfg = model_config_from(depth=3, aspect_ratio=32, head_dim=32, vocab_size=VOCAB, seq_len=SEQ,
+def make_model(depth: int = 3) -> GPT:
+    cfg = model_config_from(depth=depth, aspect_ratio=32, head_dim=32, vocab_size=VOCAB, seq_len=SEQ,
                             window_pattern="SL")
     model = GPT(cfg)
     model.init_weights(seed=1)
