@@ -110,7 +110,8 @@ class TrainConfig:
     eval_tokens: int = field(default=16384, metadata={"help": "validation tokens per evaluation"})
     sample_every: int = field(default=100, metadata={"help": "steps between samples from the model (0 = never)"})
     checkpoint_every: int = field(default=50, metadata={"help": "steps between checkpoints (0 = only at end)"})
-    keep_checkpoints: int = field(default=2, metadata={"help": "complete checkpoints to keep"})
+    keep_checkpoints: int = field(default=2, metadata={"help": "complete checkpoints to keep (at least 2: a "
+                                                           "node that dies while one is sealed leaves the other)"})
     resume: str = field(
         default="auto", metadata={"choices": ("auto", "never"), "help": "resume from the latest checkpoint"}
     )
@@ -171,7 +172,7 @@ def nearest_valid_totals(unit: int, total: int) -> tuple[int, int]:
 # Fields that must be positive integers: validate() checks them, and the controller's check says
 # the same of a value that is not even an integer.
 POSITIVE_FIELDS = ("depth", "aspect_ratio", "head_dim", "max_seq_len", "device_batch_size",
-                   "total_batch_size", "num_iterations", "eval_tokens", "keep_checkpoints")
+                   "total_batch_size", "num_iterations", "eval_tokens")
 
 
 def validate(cfg: TrainConfig, world_size: int) -> None:
@@ -180,6 +181,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         value = getattr(cfg, name)
         if value <= 0:
             raise flag_problem(name, value, "must be a positive integer")
+    if cfg.keep_checkpoints < 2:
+        raise flag_problem("keep_checkpoints", cfg.keep_checkpoints, "must be at least 2 (while one is being "
+                                                                      "sealed, the one before is the fallback)")
     for name in ("eval_every", "sample_every", "checkpoint_every", "checksum_every"):
         if getattr(cfg, name) < 0:
             raise flag_problem(name, getattr(cfg, name), "must be >= 0")

@@ -23,6 +23,7 @@ import torch.distributed as dist
 EXIT_CONFIG = 2  # bad input: restarting will not help
 EXIT_MISMATCH = 3  # ranks disagree on data/tokenizer/config, or parameters diverged
 EXIT_COLLECTIVE = 4  # a collective failed or timed out: a peer died or the network dropped
+EXIT_STOPPED = 5  # SIGTERM: stopped at a step every rank agreed on, with its checkpoint; resumes when started
 
 
 @dataclass

@@ -169,12 +169,18 @@ def run_input_problems(cfg, world_size: int, first_rank: int) -> list[str]:
         tok = Tokenizer.load(cfg.tokenizer_dir)
     except Exception as exc:  # noqa: BLE001 - any load failure is the user's to fix
         return problems + [f"--tokenizer-dir={cfg.tokenizer_dir}: cannot load tokenizer.json: {exc}"]
-    steps = checkpoint.complete_steps(cfg.out_dir, first_rank) if cfg.resume == "auto" else []
+    steps = checkpoint.complete_steps(cfg.out_dir)
+    if steps and cfg.resume == "never":  # the trainer would refuse it too: a fresh run would mix with them
+        return problems + [f"--resume never, but {cfg.out_dir} holds this run's checkpoints (steps {steps}). Fix: "
+                           f"a new run_name for a new run, or resume auto to go on with this one"]
     if not steps:
         return problems
     where = checkpoint.step_dir(cfg.out_dir, steps[-1])
     try:  # mmap: only the few small entries read are paged in
-        saved = torch.load(os.path.join(where, f"rank{first_rank}.pt"), mmap=True, weights_only=False)
+        # a checkpoint holds every rank of the world that wrote it (an older one only its node's)
+        mine = os.path.join(where, f"rank{first_rank}.pt")
+        saved = torch.load(mine if os.path.exists(mine) else os.path.join(where, "rank0.pt"), mmap=True,
+                           weights_only=True)
         state = torch.load(os.path.join(where, "model.pt"), mmap=True, weights_only=True)
     except Exception as exc:  # noqa: BLE001
         return problems + [f"checkpoint {where} is unreadable ({type(exc).__name__}: {exc}); delete it to resume "

@@ -218,11 +218,11 @@ class MuonAdamW:
             raise ValueError(
                 f"optimizer shard was saved by rank {sd['rank']} of {sd['world_size']}, this is rank "
                 f"{self.rank} of {self.world_size}: load the whole state merged from every rank's shard "
-                f"(merge_optimizer_states), or start a new run (--resume never)")
+                f"(merge_optimizer_states), or start a new run (another --run-name)")
         differ = groups_laid_out_differently(sd["layouts"], self.layouts()) if "layouts" in sd else []
         if differ:
             raise ValueError(f"optimizer shard's groups {differ} are laid out differently from this model's: "
-                             f"not a checkpoint of this model's optimizer; start a new run (--resume never)")
+                             f"not a checkpoint of this model's optimizer; start a new run (another --run-name)")
         self.step_count = sd["step_count"]
         for g in self.groups:  # checkpoints are read onto the CPU: the state goes to the parameters' device
             self.sync.load_state(g, sd["groups"][g.name])
@@ -232,7 +232,7 @@ class MuonAdamW:
         names = [g.name for g in self.groups]
         if set(sd["groups"]) != set(names):
             raise ValueError(f"whole optimizer state has groups {sorted(sd['groups'])}, this model's optimizer "
-                             f"{sorted(names)}: not a checkpoint of this model; start a new run (--resume never)")
+                             f"{sorted(names)}: not a checkpoint of this model; start a new run (another --run-name)")
         wholes = {}
         for g in self.groups:
             layout = FlatLayout.of(g, 1)
@@ -240,7 +240,7 @@ class MuonAdamW:
             got = {key: tuple(t.shape) for key, t in sd["groups"][g.name].items()}
             if got != want:
                 raise ValueError(f"whole optimizer state of group {g.name} holds {got}, this model's needs {want}: "
-                                 f"not a checkpoint of this model; start a new run (--resume never)")
+                                 f"not a checkpoint of this model; start a new run (another --run-name)")
             wholes[g.name] = {k: t.to(g.params[0].dtype) for k, t in sd["groups"][g.name].items()}
         self.step_count = sd["step_count"]
         for g in self.groups:
@@ -274,7 +274,7 @@ def merge_optimizer_states(saved: list[dict]) -> dict:
         raise ValueError("no optimizer shards to merge")
     if any("layouts" not in sd for sd in saved):
         raise ValueError("optimizer shards saved without their layouts (an older checkpoint) cannot be merged: "
-                         "resume with the world that saved them, or start a new run (--resume never)")
+                         "resume with the world that saved them, or start a new run (another --run-name)")
     ranks = [(sd["rank"], sd["world_size"]) for sd in saved]
     if ranks != [(r, len(saved)) for r in range(len(saved))]:
         raise ValueError(f"optimizer shards of (rank, world size) {ranks}: merging needs every rank 0..n-1 of one "

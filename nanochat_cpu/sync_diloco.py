@@ -261,11 +261,30 @@ class DiLoCo:
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """This node's own saved state, or (another set of nodes) `merge_outer_states`'s whole one."""
+        if state.get("format") == "whole":
+            self.outer_steps = state["outer_steps"]
+            if self.nodes.leader:
+                mine = state["momentum"][self.lo: self.lo + self.shard]
+                self.momentum.zero_()[: mine.numel()].copy_(mine)
+            return
         if (state["nodes"], state["node"]) != (self.nodes.count, self.nodes.index):
             raise ValueError(
                 f"the outer momentum was saved by node {state['node']} of {state['nodes']}, this is node "
-                f"{self.nodes.index} of {self.nodes.count}: keep the same nodes to resume, or start a new run "
-                f"(--resume never)")
+                f"{self.nodes.index} of {self.nodes.count}: a checkpoint of another set of "
+                f"nodes is merged first (checkpoint.load_states)")
         self.outer_steps = state["outer_steps"]
         if self.nodes.leader:
             self.momentum.copy_(state["momentum"])
+
+
+def merge_outer_states(saved: list[dict]) -> dict:
+    """The whole outer state from every old node's leader's `state_dict()`, for a resume on another
+    set of nodes: the momentum slices joined in node order (the padding at the end stays zeros)."""
+    slices = sorted(saved, key=lambda s: s["node"])
+    if [s["node"] for s in slices] != list(range(slices[0]["nodes"])) or any("momentum" not in s for s in slices):
+        raise ValueError(f"outer states of nodes {[s['node'] for s in slices]} of {slices[0]['nodes']}: merging "
+                         f"needs every node's first rank's")
+    momentum = torch.cat([s["momentum"] for s in slices])
+    return {"format": "whole", "outer_steps": slices[0]["outer_steps"], "momentum": momentum}
+

@@ -331,6 +331,6 @@ class SharedMemorySync(SlicedState):
             k not in saved or k not in g.state or saved[k].shape != g.state[k].shape)]
         if mismatch:
             raise ValueError(f"optimizer shard of group {g.name} does not fit this optimizer ({sorted(mismatch)}): "
-                             f"not a checkpoint of this run's optimizer; start a new run (--resume never)")
+                             f"not a checkpoint of this run's optimizer; start a new run (another --run-name)")
         for k, v in saved.items():
             g.state[k].copy_(v)

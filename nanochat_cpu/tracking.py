@@ -82,10 +82,11 @@ class Tracker:
             self._disable(f"MLflow log_batch failed: {exc}")
         self._pending, self._last_flush = [], time.monotonic()
 
-    def finish(self) -> None:
+    def finish(self, status: str = "FINISHED") -> None:
+        """End the MLflow run: FINISHED at the last step, KILLED when stopped (a resumed run reopens it)."""
         self.flush()
         if self.enabled:
             try:
-                self._mlflow.end_run()
+                self._mlflow.end_run(status=status)
             except Exception as exc:  # noqa: BLE001
                 self._disable(f"MLflow end_run failed: {exc}")

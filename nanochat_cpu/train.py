@@ -44,6 +44,7 @@ from .dataloader import TokenLoader
 from .dist import (
     EXIT_CONFIG,
     EXIT_MISMATCH,
+    EXIT_STOPPED,
     WATCHDOG_GRACE_S,
     DistEnv,
     Watchdog,
@@ -56,6 +57,7 @@ from .model import GPT, flops_per_token, model_config_from, parameter_breakdown
 from .optim import MuonAdamW, build_optimizer
 from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib, reuse_freed_memory, sync
 from .shm import make_arena
+from .stop import GracefulStop
 from .sync_diloco import AUTO_FIRST_PHASE, DiLoCo, Nodes, OuterSchedule, choose_sync_every, find_nodes, node_token_share
 from .sync_strategy import WIRE_DTYPES
 from .tokenizer import Tokenizer
@@ -408,7 +410,7 @@ def banner(env: DistEnv, cfg: TrainConfig, dtype_why: str, muon_why: str, compil
              f"malloc: {allocator}")
 
 
-def run(cfg: TrainConfig) -> None:
+def run(cfg: TrainConfig) -> int:
     # ---- set-up: flags and this host's inputs, checked before the rendezvous ---------------------
     allocator = reuse_freed_memory()
     world_size = world_size_from_env()
@@ -429,6 +431,7 @@ def run(cfg: TrainConfig) -> None:
     except RuntimeError as exc:
         fail(None, EXIT_CONFIG, str(exc))
     watchdog = Watchdog(env, cfg.collective_timeout + WATCHDOG_GRACE_S)
+    stop = GracefulStop(env)
     problems, lacking_bf16 = gather_host_facts(env, watchdog, problems, cpu_has_native_bf16())
     ctx_dtype, dtype_why = resolve_dtype(cfg, lacking_bf16)
     banner(env, cfg, dtype_why, muon_why, compile_why, ctx_dtype, muon_dtype, compiled, allocator)
@@ -439,15 +442,16 @@ def run(cfg: TrainConfig) -> None:
     tokenizer_sha = agree_on_inputs(cfg, env, watchdog)
     token_bytes = load_token_bytes(cfg, env, tokenizer)
 
-    # ---- model and optimizer, resumed from the newest checkpoint every rank has ------------------
+    # ---- model and optimizer, resumed from the newest checkpoint any node holds --------------------
     model = build_model(cfg, env, tokenizer.vocab_size)
+    disks = checkpoint.find_disks(cfg, env, watchdog)
     nodes = find_local_step_nodes(cfg, env, watchdog)
     opt = setup_optimizer(cfg, env, model, muon_dtype, watchdog, nodes)
     fpt = flops_per_token(model)
     if env.master:
         log_parameters(env, cfg, model, fpt)
-    start_step, loader_state, extra = checkpoint.resume(cfg, env, model, opt, tokenizer_sha, tokenizer.vocab_size,
-                                                        watchdog, local_steps=nodes is not None)
+    start_step, loader_state, extra = checkpoint.resume(cfg, env, disks, model, opt, tokenizer_sha,
+                                                        tokenizer.vocab_size, watchdog, local_steps=nodes is not None)
 
     # ---- work split, data, tracking --------------------------------------------------------------
     ctx = autocast_for(env.device, ctx_dtype)
@@ -494,6 +498,9 @@ def run(cfg: TrainConfig) -> None:
         step += 1
         sync(env.device)
         comm_wait = opt.last_comm_wait
+        stopping = stop.agreed(step, watchdog)
+        if stopping:  # SIGTERM: with local steps the nodes meet now, so the checkpoint holds theta_global
+            schedule.last = step
         # the nodes meet at an outer boundary; only there is every node at theta_global, so
         # checksums, evaluations and checkpoints wait for one (every step is one when synchronous)
         boundary = schedule.boundary(step)
@@ -525,28 +532,41 @@ def run(cfg: TrainConfig) -> None:
             tracker.log_metrics({"val_bpb": bpb}, step)
         if env.master and (schedule.due(cfg.sample_every, step) or last):
             log_sample(env, model, tokenizer, step)
-        if schedule.due(cfg.checkpoint_every, step) or last:
+        if schedule.due(cfg.checkpoint_every, step) or last or stopping:
             extra = {"mlflow_run_id": tracker.run_id, "rank_batch_sizes": sizes, "tokenizer_sha256": tokenizer_sha,
                      "vocab_size": tokenizer.vocab_size}
             if diloco is not None:  # at a boundary: the model is theta_global; the outer momentum, the chosen H
                 extra |= {"outer": diloco.state_dict(),
                           "sync_schedule": {"first": schedule.first, "every": schedule.every}}
-            checkpoint.save_checkpoint(cfg, env, model, opt, loader, step, watchdog, extra)
+            checkpoint.save_checkpoint(cfg, env, disks, model, opt, loader, step, watchdog, extra)
             tracker.flush()
+        if stopping:
+            break
 
     # ---- the end ---------------------------------------------------------------------------------
-    log(env, f"done: {step} steps, peak RSS {peak_rss_mib():.0f} MiB")
-    tracker.finish()
+    stop.close(step, watchdog)
+    if step < cfg.num_iterations:
+        log(env, f"stopped by SIGTERM after step {step} of {cfg.num_iterations}, with its checkpoint: the run "
+                 f"resumes there when it is started again (train.yml), losing no step; peak RSS "
+                 f"{peak_rss_mib():.0f} MiB")
+        tracker.finish("KILLED")
+        code = EXIT_STOPPED
+    else:
+        log(env, f"done: {step} steps, peak RSS {peak_rss_mib():.0f} MiB")
+        tracker.finish()
+        code = 0
     if env.distributed:
         with watchdog.phase("final barrier", step):
             dist.barrier()
         dist.destroy_process_group()
+    return code
 
 
 def main(argv: list[str] | None = None) -> None:
     cfg = parse_config(argv)
-    run(cfg)
+    code = run(cfg)
     sys.stdout.flush()
+    sys.exit(code)
 
 
 if __name__ == "__main__":

@@ -91,7 +91,7 @@ def trained_run(tiny_data_dir, tiny_tokenizer_dir, tmp_path_factory) -> tuple[Pa
     out = tmp_path_factory.mktemp("trained") / "run"
     proc = run_torchrun(2, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, out)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert checkpoint.complete_steps(str(out), 0) == [4, 8, 12]
+    assert checkpoint.complete_steps(str(out)) == [4, 8, 12]
     return out, proc.stdout
 
 
@@ -131,7 +131,7 @@ def test_sigkill_mid_checkpoint_write_keeps_previous_and_resume_reaches_the_end(
 
     # what the kill left: step 4 sealed, step 8 half-written (a partial temp file, no COMPLETE)
     ck = out / "checkpoints"
-    assert checkpoint.complete_steps(str(out), 0) == checkpoint.complete_steps(str(out), 1) == [4]
+    assert checkpoint.complete_steps(str(out)) == [4]
     partial = [p.name for p in (ck / "step_000008").iterdir()]
     assert "COMPLETE" not in partial and any(n.startswith("model.pt.tmp.") for n in partial), partial
     # a second, hand-made wreck newer than anything: truncated model.pt, no marker
@@ -149,7 +149,7 @@ def test_sigkill_mid_checkpoint_write_keeps_previous_and_resume_reaches_the_end(
     assert sorted(after) == list(range(5, 13))
     for step in range(5, 9):  # step 4's checkpoint reproduces what the killed run computed next
         assert after[step] == pytest.approx(before[step], abs=1e-4), (step, after[step], before[step])
-    assert checkpoint.complete_steps(str(out), 0) == [4, 8, 12]
+    assert checkpoint.complete_steps(str(out)) == [4, 8, 12]
     assert not wreck.exists()  # stale wrecks older than the newest complete checkpoint are pruned
 
 
@@ -166,7 +166,7 @@ def test_disk_full_during_checkpoint_names_the_cause_and_keeps_previous(tiny_dat
     assert "FATAL: cannot write checkpoint step 8 under" in proc.stdout
     assert "No space left on device" in proc.stdout and "newest complete: 4" in proc.stdout
     assert "free space on" in proc.stdout
-    assert checkpoint.complete_steps(str(out), 0) == [4]
+    assert checkpoint.complete_steps(str(out)) == [4]
     # the partial temp file was removed (its space given back); step 4 is whole
     assert not [p for p in (out / "checkpoints" / "step_000008").iterdir() if ".tmp." in p.name]
     torch.load(out / "checkpoints" / "step_000004" / "model.pt", weights_only=True)
@@ -206,7 +206,7 @@ def test_disk_full_on_one_node_stops_every_rank_naming_it(tiny_data_dir, tiny_to
         assert code == config_exit(), out
         assert "FATAL: rank 1@" in out and "cannot write checkpoint step 8" in out, out
         assert "No space left on device" in out and "newest complete: 4" in out, out
-        assert checkpoint.complete_steps(str(tmp_path / f"node{rank}"), rank) == [4]
+        assert checkpoint.complete_steps(str(tmp_path / f"node{rank}")) == [4]
     assert time.monotonic() - t0 < 120
 
 def config_exit() -> int:
@@ -285,7 +285,7 @@ BAD_FLAGS = [
     ({"depth": 0}, "--depth=0: must be a positive integer"),
     ({"num-iterations": -5}, "--num-iterations=-5: must be a positive integer"),
     ({"checkpoint-every": -1}, "--checkpoint-every=-1: must be >= 0"),
-    ({"keep-checkpoints": 0}, "--keep-checkpoints=0: must be a positive integer"),
+    ({"keep-checkpoints": 1}, "--keep-checkpoints=1: must be at least 2"),
     ({"collective-timeout": 0}, "--collective-timeout=0.0: must be > 0 seconds"),
     ({"collective-timeout": "nan"}, "--collective-timeout=nan: must be a finite number"),
     ({"matrix-lr": "inf"}, "--matrix-lr=inf: must be a finite number"),
@@ -438,7 +438,7 @@ def test_resuming_with_another_tokenizer_is_refused_by_name(trained_run, tiny_da
                            for run, _ in runs], code=config_exit())
     for out in outs:
         assert "checkpoint" in out and "step_000012 was trained with another tokenizer" in out, out
-        assert "vocab 512" in out and "vocab 300" in out and "--resume never" in out
+        assert "vocab 512" in out and "vocab 300" in out and "another --run-name or --out-dir" in out
     for run, digest in runs:
         assert tree_digest(run / "checkpoints") == digest
 
@@ -532,7 +532,8 @@ def test_run_check_refuses_to_resume_with_another_tokenizer_or_depth(trained_run
     assert "step_000012 was trained with another tokenizer" in problem and "vocab 300" in problem, problem
     [problem] = run_check(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, run, depth=3))
     assert "step_000012 does not fit this model (--depth 3" in problem and "new run_name" in problem, problem
-    # the same run resumes; --resume never ignores the checkpoint; nothing was written
+    # the same run resumes; --resume never over its checkpoints is refused; nothing was written
     assert run_check(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, run, num_iterations=16)) == []
-    assert run_check(tiny_flags(tiny_data_dir, other_tokenizer_dir, run, resume="never")) == []
+    [problem] = run_check(tiny_flags(tiny_data_dir, other_tokenizer_dir, run, resume="never"))
+    assert "--resume never, but" in problem and "steps [4, 8, 12]" in problem and "new run_name" in problem, problem
     assert tree_digest(run / "checkpoints") == digest

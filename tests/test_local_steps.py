@@ -14,7 +14,7 @@ import torch
 
 from nanochat_cpu.sync_diloco import AUTO_MAX_H, OuterSchedule, choose_sync_every
 from tests.local_steps_worker import OUTER_LR, OUTER_MOMENTUM
-from tests.test_train_runs import losses, tiny_flags, train_target
+from tests.test_train_runs import losses, read_until, tiny_flags, train_target
 from tests.torchrun_helpers import REPO, free_port, kill_tree, node_env, spawn_node
 
 WORKER = str(REPO / "tests" / "local_steps_worker.py")
@@ -170,6 +170,29 @@ def test_a_synchronous_checkpoint_is_not_resumed_with_local_steps(tiny_data_dir,
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 2 for p in procs), outs
     assert "was trained with every step synchronous (--sync-every 1), this run asks for local steps" in outs[0]
+
+
+def test_a_node_lost_mid_inner_phase_is_noticed_at_the_next_step(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """The nodes exchange no model traffic for 100 steps, but the stop flag's 4-byte all-reduce after
+    every step is a heartbeat: node 0 notices node 1's death within a step, not at step 100."""
+    port = free_port()
+    procs = [spawn_node(2, n, port, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{n}",
+                                                             sync_every=100, num_iterations=1000,
+                                                             checkpoint_every=0, collective_timeout=60)))
+             for n in range(2)]
+    try:
+        seen = read_until(procs[0], "step 00003", timeout=120)
+        kill_tree(procs[1].pid, signal.SIGKILL)  # the trainer and its torchrun, like a node dying
+        t0 = time.monotonic()
+        out = seen + procs[0].communicate(timeout=90)[0]
+        waited = time.monotonic() - t0
+    finally:
+        for p in procs:
+            kill_tree(p.pid, signal.SIGKILL)
+    assert procs[0].returncode != 0
+    assert waited < 30, f"node 0 took {waited:.0f}s to notice (collective timeout 60 s)"
+    assert "FATAL: collective 'all_reduce stop flag'" in out and "rank 1@" in out, out[-2000:]
+    assert not re.search(r"outer step \d+ at step", out)  # it was noticed inside the inner phase
 
 
 # ---- when the nodes meet, and auto's H ------------------------------------------------------------

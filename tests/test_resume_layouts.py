@@ -1,0 +1,194 @@
+"""A run survives its cluster changing: real torchrun + Gloo 'nodes' (one launcher each) on loopback,
+each with its own --out-dir as real nodes have their own disks.
+
+A node added (2 -> 3 ranks), one removed (3 -> 2), a node's run directory wiped, a stop by
+SIGTERM, and `--resume never` over an existing run: each time the run goes on from its newest
+checkpoint, or every rank refuses with the fix, and never starts again from step 1.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from nanochat_cpu import checkpoint
+from nanochat_cpu.dist import EXIT_CONFIG, EXIT_STOPPED
+from tests.conftest import TINY_VOCAB
+from tests.test_train_runs import finish, losses, read_until, tiny_flags, train_target
+from tests.torchrun_helpers import free_port, kill_tree, spawn_node
+
+UNIFORM = math.log(TINY_VOCAB)  # the loss of a model that has learnt nothing
+
+
+def run_nodes(flags_of_node: list[list[str]], timeout: float = 180) -> list[tuple[int, str]]:
+    """One launcher per node, all of them to the end: (exit code, output) of each."""
+    port = free_port()
+    procs = [spawn_node(len(flags_of_node), r, port, train_target(*flags)) for r, flags in enumerate(flags_of_node)]
+    try:
+        return [finish(p, timeout=timeout)[:2] for p in procs]
+    finally:
+        for p in procs:
+            kill_tree(p.pid, signal.SIGKILL)
+
+
+def node_flags(data: Path, tok: Path, run: Path, nodes: int, **over) -> list[list[str]]:
+    """Each node's flags; 768 tokens a step divide over 2 and over 3 ranks alike."""
+    return [tiny_flags(data, tok, run / f"node{r}", **{"total_batch_size": 768, **over}) for r in range(nodes)]
+
+
+def ok(results: list[tuple[int, str]]) -> str:
+    for code, out in results:
+        assert code == 0, out
+    return results[0][1]
+
+
+def trained_to_step_8(data: Path, tok: Path, run: Path) -> dict[int, float]:
+    """Two nodes train 12 steps (checkpoints at 4, 8, 12); step 12's is then dropped on both, as if
+    the run had stopped after step 8 (the same LR schedule as the 12-step run). Its losses."""
+    whole = losses(ok(run_nodes(node_flags(data, tok, run, 2))))
+    for r in range(2):
+        for path in sorted(Path(checkpoint.step_dir(str(run / f"node{r}"), 12)).rglob("*"), reverse=True):
+            path.unlink()
+        Path(checkpoint.step_dir(str(run / f"node{r}"), 12)).rmdir()
+    return whole
+
+
+def test_a_node_added_then_one_removed_goes_on_from_the_checkpoint(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    run = tmp_path / "run"
+    whole = trained_to_step_8(tiny_data_dir, tiny_tokenizer_dir, run)
+    # a third node joins with an empty disk: it gets the checkpoint, and the run goes on at step 9
+    results = run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 3))
+    out = ok(results)
+    assert "resumed step 8, written by 2 ranks on hosts" in out and "re-sharded to 3 ranks" in out, out
+    assert "checkpoint step 8 was missing on this disk: restored from rank 0@" in results[2][1], results[2][1]
+    node0, node2 = (run / f"node{r}" / "checkpoints" / "step_000008" for r in (0, 2))
+    for name in ("model.pt", "rank0.pt", "rank1.pt", "COMPLETE"):
+        assert (node2 / name).read_bytes() == (node0 / name).read_bytes(), name
+    grown = losses(out)
+    assert sorted(grown) == list(range(9, 13))  # no step redone, none skipped, no restart at step 1
+    # the curve goes on: close to the uninterrupted run's (other rows per rank), far from untrained
+    for step in range(9, 13):
+        assert abs(grown[step] - whole[step]) < 0.1 * whole[step], (step, grown[step], whole[step])
+        assert grown[step] < UNIFORM - 1, (step, grown[step])
+    marker = json.loads((run / "node2" / "checkpoints" / "step_000012" / "COMPLETE").read_text())
+    assert marker["world_size"] == 3 and marker["files"] == ["model.pt", "rank0.pt", "rank1.pt", "rank2.pt"]
+    # node2 leaves again: two nodes go on from the three-rank checkpoint at step 12
+    out = ok(run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, num_iterations=16)))
+    assert "resumed step 12, written by 3 ranks" in out and "re-sharded to 2 ranks" in out, out
+    shrunk = losses(out)
+    assert sorted(shrunk) == list(range(13, 17)) and all(loss < UNIFORM - 1 for loss in shrunk.values()), shrunk
+
+
+def test_a_wiped_node_gets_the_checkpoint_back_and_the_run_repeats_exactly(tiny_data_dir, tiny_tokenizer_dir,
+                                                                             tmp_path):
+    run = tmp_path / "run"
+    whole = trained_to_step_8(tiny_data_dir, tiny_tokenizer_dir, run)
+    for path in sorted((run / "node1").rglob("*"), reverse=True):  # a new disk: nothing of the run is left
+        path.rmdir() if path.is_dir() else path.unlink()
+    results = run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2))
+    out = ok(results)
+    assert "restored from rank 0@" in results[1][1], results[1][1]
+    assert "resumed from checkpoint step 8" in out, out
+    # the same layout: the resumed run computes exactly what the uninterrupted one did
+    assert losses(out) == pytest.approx({s: whole[s] for s in range(9, 13)}, abs=1e-4)
+    # the other node's checkpoints survived; the wiped one holds the restored one and the new one
+    assert checkpoint.complete_steps(str(run / "node0")) == [4, 8, 12]
+    assert checkpoint.complete_steps(str(run / "node1")) == [8, 12]
+
+
+def test_resume_never_over_a_run_is_refused_by_every_rank(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    run = tmp_path / "run"
+    ok(run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, num_iterations=4)))
+    before = {p: p.read_bytes() for p in run.rglob("*") if p.is_file()}
+    for code, out in run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, resume="never")):
+        assert code == EXIT_CONFIG, out
+        assert "--resume never, but" in out and "rank 1@" in out and "steps [4]" in out, out
+        assert "another --run-name or --out-dir" in out, out
+        assert "step 00001" not in out
+    assert {p: p.read_bytes() for p in run.rglob("*") if p.is_file()} == before
+
+
+def test_sigterm_on_one_node_stops_both_with_a_checkpoint_and_loses_no_step(tiny_data_dir, tiny_tokenizer_dir,
+                                                                              tmp_path):
+    """systemctl stop on one node: its launcher forwards SIGTERM to its rank, the ranks agree on the
+    step, save it and exit; the next start resumes at exactly that step."""
+    run = tmp_path / "run"
+    flags = node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, num_iterations=400, checkpoint_every=100)
+    port = free_port()
+    procs = [spawn_node(2, r, port, train_target(*f)) for r, f in enumerate(flags)]
+    try:
+        seen = read_until(procs[1], "step 00003", timeout=120)
+        procs[1].send_signal(signal.SIGTERM)  # the launcher, as KillMode=mixed does
+        t0 = time.monotonic()
+        results = [finish(p, timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            kill_tree(p.pid, signal.SIGKILL)
+    stopped_in = time.monotonic() - t0
+    assert results[1][0] == 128 + signal.SIGTERM, results[1][1]  # the launcher says it was stopped
+    # the other node's ranks stopped with it: 5, a clean stop to the unit, which neither restarts
+    # it (it would wait for the stopped node) nor disables it (it rejoins at boot)
+    assert results[0][0] == EXIT_STOPPED, results[0][1]
+    assert "launcher: the ranks stopped at a checkpoint" in results[0][1]
+    stops = [int(s) for s in re.findall(r"stopped by SIGTERM after step (\d+) of 400", results[0][1])]
+    assert len(stops) == 1, results[0][1]
+    stop = stops[0]
+    assert f"stopped by SIGTERM after step {stop} of 400" in seen + results[1][1]
+    assert 3 <= stop < 400 and stopped_in < 60
+    for node in ("node0", "node1"):
+        assert checkpoint.complete_steps(str(run / node)) == [stop], node
+    out = ok(run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, num_iterations=stop + 2)))
+    assert f"resumed from checkpoint step {stop}" in out
+    assert sorted(losses(out)) == [stop + 1, stop + 2]  # zero steps lost
+
+
+def test_prune_keeps_what_it_sealed_and_never_touches_newer_checkpoints(tmp_path):
+    """An old run's high-numbered checkpoints must not make the new checkpoints be pruned."""
+    out = str(tmp_path)
+    layout = {"world_size": 1, "hosts": ["h"], "node_of_rank": [0]}
+
+    def seal(step: int) -> None:
+        checkpoint.write_step_files(out, step, {"w": step}, [{"step": step}])
+        checkpoint.mark_complete(out, step, layout, keep=2)
+
+    seal(40)
+    (Path(checkpoint.step_dir(out, 50))).mkdir()  # an unsealed one, maybe being written
+    for step in (4, 8, 12):
+        seal(step)
+    assert checkpoint.complete_steps(out) == [8, 12, 40]
+    assert checkpoint.list_steps(out) == [8, 12, 40, 50]
+
+
+def test_local_steps_stop_mid_phase_then_go_on_with_a_node_more(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """With local steps a stop mid-phase is made an outer boundary (the checkpoint holds theta_global);
+    a third node then continues node 0's inner optimizer, the outer state re-sharded over three."""
+    run = tmp_path / "run"
+    flags = node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, num_iterations=400, checkpoint_every=100,
+                       sync_every=50)
+    port = free_port()
+    procs = [spawn_node(2, r, port, train_target(*f)) for r, f in enumerate(flags)]
+    try:
+        seen = read_until(procs[0], "step 00012", timeout=180)
+        procs[0].send_signal(signal.SIGTERM)
+        results = [finish(p, timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            kill_tree(p.pid, signal.SIGKILL)
+    assert [code for code, _, _ in results] == [128 + signal.SIGTERM, EXIT_STOPPED], results
+    stop = int(re.search(r"stopped by SIGTERM after step (\d+) of 400", results[1][1]).group(1))
+    assert f"outer step 1 at step {stop:05d}:" in results[1][1]  # the nodes met at the stop, not at step 50
+    out = ok(run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 3, num_iterations=stop + 4,
+                                  sync_every=50)))
+    assert f"resumed step {stop}, written by 2 ranks" in out and "re-sharded to 3 ranks" in out, out
+    resumed, before = losses(out), losses(seen + results[0][1])
+    assert sorted(resumed) == list(range(stop + 1, stop + 5))
+    # the curve goes on from where it stopped, nowhere near an untrained model's
+    assert abs(resumed[stop + 1] - before[stop]) < 0.15 * before[stop] and resumed[stop + 1] < UNIFORM - 1, (
+        before, resumed)
+    assert f"outer step 2 at step {stop + 4:05d}:" in out  # the outer step count went on from the checkpoint
