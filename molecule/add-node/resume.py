@@ -75,19 +75,20 @@ def assert_whole_everywhere(c: Cluster, step: int, world: int) -> None:
             f"{n}: {d} is not a whole checkpoint of {world} ranks: COMPLETE {marker}, files {present}")
 
 
-def stop_run(c: Cluster, since: float, at_least: int, world: int) -> dict:
+def stop_run(c: Cluster, m: dict, since: float, at_least: int, world: int) -> int:
     """stop.yml half way between two checkpoints, once the run is past step `at_least`: every rank
-    finishes its step, checkpoints it and exits; the units end inactive, and every disk holds it."""
-    seen = wait_mid_interval(c, RUN.unit, at_least, since)
+    finishes its step, checkpoints it and exits; the units end inactive, and every disk holds it.
+    Returns the stop step; `m` gets the measurements."""
+    m["last_step_seen"] = seen = wait_mid_interval(c, RUN.unit, at_least, since)
     t0 = time.time()
     rc, out, took = c.playbook("stop.yml", {"run_name": RUN.name})
+    m["stop_yml_s"] = round(took, 1)
     assert rc == 0, f"stop.yml failed:\n{show_train_failure(out)}"
-    m: dict = {"last_step_seen": seen, "stop_yml_s": round(took, 1)}
     for n in c.nodes:
         lines = c.journal(n, RUN.unit, t0)
         said = first(lines, STOPPED.pattern)
         u = c.unit(n, RUN.unit)
-        assert said, f"{n}: no 'stopped by SIGTERM after step' line after stop.yml: {[t for _, t in lines[-8:]]}"
+        assert said, f"{n}: no 'stopped by SIGTERM after step' line after stop.yml: {[msg for _, msg in lines[-8:]]}"
         # exit 5 (a peer was stopped) or 143 (this launcher got SIGTERM): SuccessExitStatus, no restart
         assert u["ActiveState"] == "inactive" and u["Result"] == "success", f"{n}: {RUN.unit} ended {u}"
         m[n] = {"step": int(STOPPED.search(said[1]).group(1)), "exit_status": u["ExecMainStatus"],
@@ -104,7 +105,7 @@ def stop_run(c: Cluster, since: float, at_least: int, world: int) -> dict:
     m["stop_to_exit_s"] = round(max(exits) - min(terms), 1) if terms and exits else None
     assert_whole_everywhere(c, step, world)
     log(f"stopped after step {step} (seen {seen}): {m['stop_to_exit_s']}s from SIGTERM to the last unit's exit")
-    return m
+    return step
 
 
 def resume_by_train_yml(c: Cluster, m: dict, stop_step: int, said_want: str) -> float:
@@ -118,11 +119,11 @@ def resume_by_train_yml(c: Cluster, m: dict, stop_step: int, said_want: str) -> 
         return (hit, trained[0]) if trained else None
 
     (t_res, said), (t_step, step1, loss1) = wait_for("the run to resume and train a step", resumed, 300, every=1)
-    assert said_want in said, f"the master said {said!r}, not {said_want!r}"
     m.update(resumed_from=int(RESUMED.search(said).group(1)), resumed=said[:300], first_step=step1,
              resume_s=round(t_res - t0, 1), first_step_s=round(t_step - t0, 1),
              resumed_to_first_step_s=round(t_step - t_res, 1), first_loss_after=loss1)
     m["steps_lost"] = stop_step - m["resumed_from"]
+    assert said_want in said, f"the master said {said!r}, not {said_want!r}"
     assert step1 == stop_step + 1, f"stopped after step {stop_step}, the resumed run's first step is {step1}"
     assert loss1 < math.log(VOCAB) - 0.3, f"loss {loss1} after the resume: back at a fresh model's ln {VOCAB}"
     log(f"resumed at step {m['resumed_from']} ({m['resume_s']}s after train.yml began), first step "
@@ -148,12 +149,11 @@ def replace_disk(c: Cluster, node: str) -> float:
     return t0
 
 
-def finish(c: Cluster, since: float, started: float) -> dict:
+def finish(c: Cluster, m: dict, since: float, started: float) -> None:
     """The run reaches its last step (train.yml began it again at `since`, `before` at `started`): every
     node says done, every unit ended cleanly and disabled itself."""
     wait_for(f"every unit to end (step {RUN.iterations})", lambda: all(
         c.unit(n, RUN.unit)["ActiveState"] in ("inactive", "failed") for n in c.nodes), timeout=600, every=3)
-    m: dict = {}
     for n in c.nodes:
         u = c.unit(n, RUN.unit)
         done = first(c.journal(n, RUN.unit, since), rf"done: {RUN.iterations} steps")
@@ -164,7 +164,6 @@ def finish(c: Cluster, since: float, started: float) -> dict:
     trained = steps(c.journal(c.master, RUN.unit, since))
     m.update(final_step=trained[-1][1], final_loss=trained[-1][2], done_s=round(trained[-1][0] - since, 1))
     assert m["final_step"] == RUN.iterations, f"the master's last step is {m['final_step']}"
-    return m
 
 
 # ---- the two phases ----------------------------------------------------------------------------
@@ -176,18 +175,18 @@ def before(c: Cluster, report: dict) -> None:
                   hosts=sorted(c.nodes), world=len(c.nodes))  # nproc_per_node 1 (inventory/local/group_vars)
     t0, took = start_run(c)
     report["started"] = t0
-    report["two-nodes"] = m = stop_run(c, t0, CHECKPOINT_EVERY, len(c.nodes))
-    m["train_yml_s"] = took
+    report["two-nodes"] = m = {"train_yml_s": took}
+    stop_run(c, m, t0, CHECKPOINT_EVERY, len(c.nodes))
 
 
 def after(c: Cluster, report: dict) -> None:
-    old, world = report["two-nodes"], len(c.nodes)
+    world = len(c.nodes)
     added = [n for n in c.nodes if n not in report["hosts"]]
     assert world == report["world"] + 1 and len(added) == 1, f"expected one node added to {report['hosts']}: {c.nodes}"
 
     # the same run name on three nodes: the two ranks' checkpoint re-sharded to three, step for step
     report["grow"] = m = {}
-    n_stop = old["stop_step"]
+    n_stop = report["two-nodes"]["stop_step"]
     t0 = resume_by_train_yml(c, m, n_stop, f"resumed step {n_stop}, written by {report['world']} ranks on hosts "
                                            f"{', '.join(report['hosts'])}, re-sharded to {world} ranks")
     for n in c.nodes:
@@ -199,9 +198,10 @@ def after(c: Cluster, report: dict) -> None:
 
     # node1's disk replaced after the first checkpoint the three ranks wrote
     node = c.workers[0]
-    wait_mid_interval(c, RUN.unit, (n_stop // CHECKPOINT_EVERY + 1) * CHECKPOINT_EVERY, t0)
+    report["disk-replaced"] = m = {
+        "killed_after_step": wait_mid_interval(c, RUN.unit, (n_stop // CHECKPOINT_EVERY + 1) * CHECKPOINT_EVERY, t0)}
     t_kill = replace_disk(c, node)
-    report["disk-replaced"] = m = resume_after(c, RUN.unit, t_kill, node, timeout=420)
+    m.update(resume_after(c, RUN.unit, t_kill, node, timeout=420))
     check_resume(c, RUN.unit, t_kill, m, node, report["started"])
     hit = first(c.journal(node, RUN.unit, t_kill), RESTORED.format(m["resumed_from"]))
     assert hit, f"{node}: no line saying it restored checkpoint step {m['resumed_from']} onto its new disk"
@@ -209,9 +209,12 @@ def after(c: Cluster, report: dict) -> None:
     log(f"disk replaced on {node}: resumed from step {m['resumed_from']}, {m['steps_lost']} steps lost")
 
     # stopped again and started again: not a step lost; then the run finishes
-    report["stop-resume"] = m = stop_run(c, t_kill, m["resumed_from"] + 3, world)
-    t1 = resume_by_train_yml(c, m, m["stop_step"], f"resumed from checkpoint step {m['stop_step']} (")
-    report["final"] = finish(c, t1, report["started"])
+    resumed_from = m["resumed_from"]
+    report["stop-resume"] = m = {}
+    s_stop = stop_run(c, m, t_kill, resumed_from + 3, world)
+    t1 = resume_by_train_yml(c, m, s_stop, f"resumed from checkpoint step {s_stop} (")
+    report["final"] = m = {}
+    finish(c, m, t1, report["started"])
     log(f"run finished: {json.dumps(report['final'])}")
 
 
@@ -231,6 +234,7 @@ def main() -> None:
         if not args.report.exists():
             sys.exit(f"no {args.report}: run `before` first (it stops the two-node run that `after` resumes)")
         report = json.loads(args.report.read_text())
+        report.pop("failed", None)  # an earlier attempt's
     try:
         PHASES[args.phase](Cluster(args.inventory), report)
     except AssertionError as exc:
