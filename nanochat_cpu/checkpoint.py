@@ -28,6 +28,7 @@ import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import time
 from dataclasses import dataclass
@@ -196,14 +197,20 @@ def load_rank_state(out_dir: str, step: int, rank: int) -> dict:
 
 @dataclass
 class Disks:
-    """Where the ranks' checkpoints live. Nodes share no filesystem, but launchers on one host
-    (the tests, the quality benchmark) may share an --out-dir: one writer per (host, directory)."""
+    """Where the ranks' checkpoints live. Nodes share no filesystem as a rule, but launchers on one
+    host (the tests, the quality benchmark) or an NFS mount may share a directory: one writer per
+    disk, found by looking, not by host name (cloned machines share one)."""
 
-    key_of_rank: list[tuple[str, str]]  # (host, real path of --out-dir) of every rank
+    disk_of_rank: list[int]  # every rank's disk, named by the lowest rank that writes to it
     node_of_rank: list[int]  # every rank's launcher (torchrun's GROUP_RANK)
+    group: dist.ProcessGroup | None  # gloo, for the checkpoint's object collectives (CPU even on CUDA)
 
     def writer(self, rank: int) -> bool:
-        return self.key_of_rank.index(self.key_of_rank[rank]) == rank
+        return self.disk_of_rank[rank] == rank
+
+    @property
+    def writers(self) -> list[int]:
+        return sorted(set(self.disk_of_rank))
 
     def layout(self, hosts: list[str]) -> dict:
         """What the COMPLETE marker says of the world that wrote it."""
@@ -211,13 +218,44 @@ class Disks:
 
 
 def find_disks(cfg: TrainConfig, env: DistEnv, watchdog: Watchdog) -> Disks:
-    mine = ((env.host, os.path.realpath(cfg.out_dir)), int(os.environ.get("GROUP_RANK", "0")))
-    everyone = [mine]
+    """Each rank leaves a file of its own in the checkpoint directory; ranks that see each other's
+    files share a disk."""
+    node = int(os.environ.get("GROUP_RANK", "0"))
+    if not env.distributed:
+        return Disks([0], [node], None)
+    group = dist.new_group(backend="gloo")
+    root = checkpoint_root(cfg.out_dir)
+    os.makedirs(root, exist_ok=True)
+    token = secrets.token_hex(8)
+    probe = os.path.join(root, f".disk-probe-{token}")
+    Path(probe).touch()
+    tokens: list = [None] * env.world_size
+    with watchdog.phase("all_gather checkpoint disk probes", 0):
+        dist.all_gather_object(tokens, token, group=group)
+    mine = (min(r for r, t in enumerate(tokens) if os.path.exists(os.path.join(root, f".disk-probe-{t}"))), node)
+    everyone: list = [None] * env.world_size
+    with watchdog.phase("all_gather checkpoint disks", 0):
+        dist.all_gather_object(everyone, mine, group=group)  # also: every rank has looked, the probes may go
+    os.unlink(probe)
+    return Disks([d for d, _ in everyone], [n for _, n in everyone], group)
+
+
+def fail_together(env: DistEnv, disks: Disks, watchdog: Watchdog, what: str, step: int,
+                  problem: str | None) -> None:
+    """Every rank learns every rank's problem (None: it has none); if any has one, all of them stop
+    with exit 2 naming it, rather than the healthy ones timing out in the next collective and being
+    restarted by systemd without it, again and again."""
+    problems = [problem]
     if env.distributed:
-        everyone = [None] * env.world_size
-        with watchdog.phase("all_gather checkpoint disks", 0):
-            dist.all_gather_object(everyone, mine)
-    return Disks([tuple(key) for key, _ in everyone], [node for _, node in everyone])
+        problems = [None] * env.world_size
+        with watchdog.phase(f"all_gather {what} status", step):
+            dist.all_gather_object(problems, problem, group=disks.group)
+    by_problem: dict[str, list[str]] = {}
+    for r, p in enumerate(problems):
+        if p:
+            by_problem.setdefault(p, []).extend([f"rank {r}@{env.hosts[r]}"] if env.distributed else [])
+    if by_problem:
+        fail(env, EXIT_CONFIG, " | ".join(f"{', '.join(who)}: {p}" if who else p for p, who in by_problem.items()))
 
 
 def on_cpu(obj):
@@ -237,11 +275,14 @@ def save_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, op
     rank_state = on_cpu({"step": step, "optimizer": opt.state_dict(), "loader": loader.state_dict(),
                          "rng": torch.get_rng_state(), "extra": extra})
     rank_states = [rank_state]
-    if env.distributed:
-        # every disk gets every rank's state: a node that is wiped, added or alone can still resume
-        rank_states = [None] * env.world_size
-        with watchdog.phase("all_gather checkpoint states", step):
-            dist.all_gather_object(rank_states, rank_state)
+    # every disk gets every rank's state: a node that is wiped, added or alone can still resume;
+    # only the disks' writers receive them (the others would hold every rank's state for nothing)
+    for w in disks.writers if env.distributed else []:
+        got = [None] * env.world_size if env.rank == w else None
+        with watchdog.phase("gather checkpoint states", step):
+            dist.gather_object(rank_state, got, dst=w, group=disks.group)
+        if env.rank == w:
+            rank_states = got
     error = None
     if disks.writer(env.rank):
         try:
@@ -252,17 +293,8 @@ def save_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, op
                      f"Earlier checkpoints are untouched (newest complete: {done[-1] if done else 'none'}). Fix: "
                      f"free space on {env.host} or move --out-dir, then start the run again: it resumes from there")
     del rank_states
-    errors = [error]
-    if env.distributed:
-        # instead of a plain barrier: every rank learns whether every write succeeded, so a full
-        # disk on one node stops all ranks with its reason (exit 2, no restart loop) rather than
-        # leaving the others to time out in the next collective and restart without it
-        errors = [None] * env.world_size
-        with watchdog.phase("all_gather checkpoint status", step):
-            dist.all_gather_object(errors, error)
-    failed = [f"rank {r}@{env.hosts[r]}: {e}" if env.distributed else e for r, e in enumerate(errors) if e]
-    if failed:
-        fail(env, EXIT_CONFIG, " | ".join(failed))
+    # instead of a plain barrier: a full disk on one node stops every rank with its reason
+    fail_together(env, disks, watchdog, "checkpoint", step, error)
     if disks.writer(env.rank):
         mark_complete(cfg.out_dir, step, disks.layout(env.hosts or [env.host]), cfg.keep_checkpoints)
     log(env, f"checkpoint step {step} saved to {step_dir(cfg.out_dir, step)} "
@@ -282,14 +314,14 @@ def tokenizer_refusal(cfg: TrainConfig, where: str, saved: dict, tokenizer_sha: 
             f"run's original tokenizer again (site.yml), or {START_AFRESH}")
 
 
-def survey(cfg: TrainConfig, env: DistEnv, watchdog: Watchdog) -> list[dict[int, dict]]:
+def survey(cfg: TrainConfig, env: DistEnv, disks: Disks, watchdog: Watchdog) -> list[dict[int, dict]]:
     """Every rank's complete checkpoints on its disk: {step: its COMPLETE marker}, by rank."""
     mine = {s: read_marker(cfg.out_dir, s) for s in complete_steps(cfg.out_dir)}
     if not env.distributed:
         return [mine]
     everyone: list = [None] * env.world_size
     with watchdog.phase("all_gather checkpoint steps", 0):
-        dist.all_gather_object(everyone, mine)
+        dist.all_gather_object(everyone, mine, group=disks.group)
     return everyone
 
 
@@ -312,55 +344,67 @@ def choose_resume_step(cfg: TrainConfig, env: DistEnv, everyone: list[dict[int, 
     for steps in everyone:
         usable |= {s for s, marker in steps.items() if "world_size" in marker}
     usable |= set.intersection(*(set(steps) for steps in everyone))
+    if not usable and any(everyone):  # only an older version's checkpoints, and not on every disk
+        fail(env, EXIT_CONFIG, f"{cfg.out_dir} holds checkpoints written by an older version "
+                               f"({holdings(env, everyone)}), which kept each node's own ranks' files only: "
+                               f"they resume only on the nodes that wrote them. Fix: resume once on those nodes "
+                               f"until the next checkpoint (it holds every rank's state), then change the "
+                               f"cluster; or {START_AFRESH}")
     return max(usable) if usable else None
 
 
 def restore_missing(cfg: TrainConfig, env: DistEnv, disks: Disks, step: int, everyone: list[dict[int, dict]],
                     watchdog: Watchdog) -> None:
     """The disks that lack checkpoint `step` (wiped, replaced, or a node just added) get it from the
-    lowest rank that has it, over the process group, before anyone loads it."""
+    lowest rank that has it, file by file over the process group, before anyone loads it."""
     holders = [r for r, steps in enumerate(everyone) if step in steps]
-    needy = [r for r in range(env.world_size) if disks.writer(r) and step not in everyone[r]]
+    needy = [r for r in disks.writers if step not in everyone[r]]
     if not needy:
         return
-    source, t0 = holders[0], time.perf_counter()
-    with watchdog.phase("new_group checkpoint restore", 0):
-        group = dist.new_group([source, *needy])  # every rank must call it, members or not
-    if env.rank in (source, *needy):
-        d = step_dir(cfg.out_dir, step)
-        files = [None]
-        if env.rank == source:
-            marker = everyone[source][step]
-            files = [{name: Path(d, name).read_bytes() for name in marker["files"]}]
-        with watchdog.phase("broadcast checkpoint files", 0):
-            dist.broadcast_object_list(files, src=source, group=group)
-        if env.rank in needy:
-            write_restored(cfg.out_dir, step, files[0], everyone[source][step], cfg.keep_checkpoints)
-            size = sum(len(b) for b in files[0].values())
-            log(env, f"checkpoint step {step} was missing on this disk: restored from rank {source}@"
-                     f"{env.hosts[source]} ({size / 2**20:.0f} MiB in {time.perf_counter() - t0:.1f}s)")
-        del files
-    with watchdog.phase("barrier checkpoint restore", 0):
-        dist.barrier()
-    dist.destroy_process_group(group)
+    source, marker, t0 = holders[0], everyone[holders[0]][step], time.perf_counter()
+    d, problem, size = step_dir(cfg.out_dir, step), None, 0
+    if env.rank in needy:  # nothing unsealed of this step is kept
+        shutil.rmtree(d, ignore_errors=True)
+    for n in needy:
+        if env.rank not in (source, n):
+            continue
+        for name in marker["files"]:  # one file in memory at a time
+            data = [Path(d, name).read_bytes() if env.rank == source else None]
+            with watchdog.phase("send checkpoint files", 0):
+                if env.rank == source:
+                    dist.send_object_list(data, dst=n, group=disks.group)
+                else:
+                    dist.recv_object_list(data, src=source, group=disks.group)
+            if env.rank == n and problem is None:
+                size += len(data[0])
+                problem = write_restored_file(cfg.out_dir, step, name, data[0], env)
+    if env.rank in needy and problem is None:
+        problem = write_restored_file(cfg.out_dir, step, "COMPLETE", json.dumps(marker).encode(), env)
+        fsync_dir(checkpoint_root(cfg.out_dir))
+        prune(cfg.out_dir, cfg.keep_checkpoints, sealed=step)
+        log(env, f"checkpoint step {step} was missing on this disk: restored from rank {source}@"
+                 f"{env.hosts[source]} ({size / 2**20:.0f} MiB in {time.perf_counter() - t0:.1f}s)")
+    fail_together(env, disks, watchdog, "checkpoint restore", 0, problem)
 
 
-def write_restored(out_dir: str, step: int, files: dict[str, bytes], marker: dict, keep: int) -> None:
+def write_restored_file(out_dir: str, step: int, name: str, data: bytes, env: DistEnv) -> str | None:
+    """One file of a restored checkpoint, atomically (COMPLETE, the last, seals it); the problem, if any."""
     d = step_dir(out_dir, step)
-    if os.path.isdir(d):
-        shutil.rmtree(d)
-    os.makedirs(d)
-    for name, data in files.items():
+    try:
+        os.makedirs(d, exist_ok=True)
         tmp = os.path.join(d, f"{name}.tmp.{os.getpid()}")
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, os.path.join(d, name))
-    atomic_write_text(os.path.join(d, "COMPLETE"), json.dumps(marker))
-    fsync_dir(d)
-    fsync_dir(checkpoint_root(out_dir))
-    prune(out_dir, keep, sealed=step)
+        if name == "COMPLETE":
+            fsync_dir(d)
+    except OSError as exc:
+        return (f"cannot restore checkpoint step {step} under {out_dir}: {type(exc).__name__}: {exc}. Fix: free "
+                f"space on {env.host} (about {len(data) / 2**20:.0f} MiB a file) or move --out-dir, then start "
+                f"the run again")
+    return None
 
 
 def sync_refusal(where: str, saved: dict, local_steps: bool) -> str | None:
@@ -383,11 +427,12 @@ def ranks_by_node(node_of_rank: list[int]) -> list[list[int]]:
     return [by_node[n] for n in sorted(by_node)]
 
 
-def load_states(cfg: TrainConfig, env: DistEnv, disks: Disks, step: int, marker: dict,
-                local_steps: bool) -> tuple[dict, dict | None, str]:
+def load_states(cfg: TrainConfig, env: DistEnv, disks: Disks, step: int, marker: dict, local_steps: bool,
+                strategy: str) -> tuple[dict, dict | None, str]:
     """This rank's optimizer state, loader position, RNG and `extra` from checkpoint `step`, and how it
-    was laid out. The same layout loads the rank's own file as it was saved (the resumed run repeats
-    the uninterrupted one exactly); another one merges every saved rank's state and takes its part."""
+    was laid out. The same layout, stepped the same way, loads the rank's own file as it was saved
+    (the resumed run repeats the uninterrupted one exactly); another merges every saved rank's state
+    and takes its part."""
     where = step_dir(cfg.out_dir, step)
     now = disks.layout(env.hosts or [env.host])
     wrote = f"written by {marker.get('world_size', 'this layout of')} ranks on hosts " \
@@ -395,7 +440,9 @@ def load_states(cfg: TrainConfig, env: DistEnv, disks: Disks, step: int, marker:
     if "world_size" not in marker or (marker["world_size"], marker["node_of_rank"]) == (now["world_size"],
                                                                                      now["node_of_rank"]):
         state = load_rank_state(cfg.out_dir, step, env.rank)
-        return state, state["loader"], f"resumed from checkpoint step {step} ({where}), {wrote}"
+        # the same world may step another way (shared memory now missing, or back): then merge
+        if "world_size" not in marker or state["optimizer"].get("strategy", strategy) == strategy:
+            return state, state["loader"], f"resumed from checkpoint step {step} ({where}), {wrote}"
     saved = [load_rank_state(cfg.out_dir, step, r) for r in range(marker["world_size"])]
     state = dict(saved[min(env.rank, len(saved) - 1)])
     state["extra"] = {k: v for k, v in saved[0]["extra"].items() if k != "rank_batch_sizes"}  # measured anew
@@ -413,41 +460,51 @@ def load_states(cfg: TrainConfig, env: DistEnv, disks: Disks, step: int, marker:
     return state, loader, f"resumed step {step}, {wrote}, re-sharded to {env.world_size} ranks"
 
 
+def load_into(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, step: int, marker: dict,
+              local_steps: bool, tokenizer_sha: str, vocab_size: int) -> tuple[str | None, dict | None, dict, str]:
+    """Checkpoint `step` into model, opt and the RNG: (why it cannot be, or None; the loader's
+    position; the saved `extra`; the line that says where it came from)."""
+    where = step_dir(cfg.out_dir, step)
+    fix = f"resume from an older checkpoint by deleting {where} on every node, or {START_AFRESH}"
+    try:
+        rank_state, loader_state, said = load_states(cfg, env, disks, step, marker, local_steps, opt.sync.name)
+        model_state = load_model_state(cfg.out_dir, step, env.device)
+    except Exception as exc:  # noqa: BLE001 - unreadable or unfitting files: name them instead of a traceback
+        return f"checkpoint {where} cannot be resumed ({type(exc).__name__}: {exc}); {fix}", None, {}, ""
+    extra = rank_state.get("extra", {})
+    refusal = tokenizer_refusal(cfg, where, extra, tokenizer_sha, vocab_size) or sync_refusal(where, extra,
+                                                                                             local_steps)
+    if refusal:
+        return refusal, None, {}, ""
+    try:
+        model.load_state_dict(model_state)
+    except RuntimeError as exc:
+        return (f"checkpoint {where} does not fit this model (depth {cfg.depth}, vocab {vocab_size}): "
+                f"{str(exc).splitlines()[-1].strip()}; {fix}"), None, {}, ""
+    try:
+        opt.load_state_dict(rank_state["optimizer"])
+    except ValueError as exc:
+        return f"checkpoint {where}: {exc}", None, {}, ""
+    torch.set_rng_state(rank_state["rng"])
+    return None, loader_state, extra, said
+
+
 def resume(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, tokenizer_sha: str,
            vocab_size: int, watchdog: Watchdog, local_steps: bool = False) -> tuple[int, dict | None, dict]:
     """Load the newest checkpoint any disk holds whole into model, opt and the RNG (restoring it first
     to the disks that lack it), refusing one that does not fit; returns (the step to start from, the
-    loader's position, the saved `extra`). With local steps the checkpoint is from an outer boundary:
-    the model is theta_global, and `extra` holds the outer momentum and the schedule
-    (train.setup_local_steps)."""
-    everyone = survey(cfg, env, watchdog)
+    loader's position, the saved `extra`). Every rank learns whether every rank could load it: one
+    that cannot stops them all. With local steps the checkpoint is from an outer boundary: the model
+    is theta_global, and `extra` holds the outer momentum and the schedule (train.setup_local_steps)."""
+    everyone = survey(cfg, env, disks, watchdog)
     resume_step = choose_resume_step(cfg, env, everyone)
     if resume_step is None:
         return 0, None, {}
     if env.distributed:
         restore_missing(cfg, env, disks, resume_step, everyone, watchdog)
     marker = next(steps[resume_step] for steps in everyone if resume_step in steps)
-    where = step_dir(cfg.out_dir, resume_step)
-    fix = f"resume from an older checkpoint by deleting {where} on every node, or {START_AFRESH}"
-    try:
-        rank_state, loader_state, said = load_states(cfg, env, disks, resume_step, marker, local_steps)
-        model_state = load_model_state(cfg.out_dir, resume_step, env.device)
-    except Exception as exc:  # noqa: BLE001 - unreadable or unfitting files: name them instead of a traceback
-        fail(env, EXIT_CONFIG, f"checkpoint {where} cannot be resumed ({type(exc).__name__}: {exc}); {fix}")
-    extra = rank_state.get("extra", {})
-    refusal = tokenizer_refusal(cfg, where, extra, tokenizer_sha, vocab_size) or sync_refusal(where, extra,
-                                                                                             local_steps)
-    if refusal:
-        fail(env, EXIT_CONFIG, refusal)
-    try:
-        model.load_state_dict(model_state)
-    except RuntimeError as exc:
-        fail(env, EXIT_CONFIG, f"checkpoint {where} does not fit this model (depth {cfg.depth}, vocab "
-                               f"{vocab_size}): {str(exc).splitlines()[-1].strip()}; {fix}")
-    try:
-        opt.load_state_dict(rank_state["optimizer"])
-    except ValueError as exc:
-        fail(env, EXIT_CONFIG, f"checkpoint {where}: {exc}")
-    torch.set_rng_state(rank_state["rng"])
+    problem, loader_state, extra, said = load_into(cfg, env, disks, model, opt, resume_step, marker, local_steps,
+                                                   tokenizer_sha, vocab_size)
+    fail_together(env, disks, watchdog, "resume", 0, problem)
     log(env, said)
     return resume_step, loader_state, extra

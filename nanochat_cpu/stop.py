@@ -6,7 +6,8 @@ The signal only raises a flag. After each step every rank adds its flag to one s
 while a whole step computes, so it costs no waiting (with local steps it is the only traffic
 between nodes in an inner phase: four bytes a step), and every rank reads the same value after the
 same step, whichever rank the signal reached. All of them stop together, even when only one was
-signalled; the stop comes one step after the signal at the latest.
+signalled; the stop comes one step after the signal at the latest, and a signal during set-up
+stops the run before its first step (that all-reduce is waited for).
 """
 
 from __future__ import annotations
@@ -33,17 +34,21 @@ class GracefulStop:
         self.requested = True
 
     def agreed(self, step: int, watchdog: Watchdog) -> bool:
-        """Called by every rank after each step: whether all of them stop after this one."""
+        """Called by every rank before the first step and after each: whether all of them stop now.
+        The first call waits for its all-reduce: a stop during set-up ends the run before step one."""
         if self.group is None:
             return self.requested
-        stop = False
-        if self.pending is not None:
-            with watchdog.phase("all_reduce stop flag", step):
-                self.pending.wait()
-            stop = bool(self.flag.item())
+        if self.pending is None:
+            self._send()
+        with watchdog.phase("all_reduce stop flag", step):
+            self.pending.wait()
+        stop = bool(self.flag.item())
+        self._send()
+        return stop
+
+    def _send(self) -> None:
         self.flag.fill_(int(self.requested))
         self.pending = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
-        return stop
 
     def close(self, step: int, watchdog: Watchdog) -> None:
         """Wait for the last flag every rank sent, before the process group goes."""

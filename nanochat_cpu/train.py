@@ -482,7 +482,8 @@ def run(cfg: TrainConfig) -> int:
     phase = PhaseTimes()  # since the last outer boundary (every step, when synchronous)
     if start_step == 0 and env.distributed:
         check_parameters_agree(env, model, 0, watchdog)
-    while step < cfg.num_iterations:
+    stopping = stop.agreed(step, watchdog)  # SIGTERM while the run was being set up
+    while step < cfg.num_iterations and not stopping:
         t0 = time.perf_counter()
         loss_sum = accumulate_gradients(cfg, env, train_model, loader, opt, ctx, accum, loss_scale, step)
         sync(env.device)  # CUDA queues work: time what ran, not what was queued
@@ -546,9 +547,9 @@ def run(cfg: TrainConfig) -> int:
     # ---- the end ---------------------------------------------------------------------------------
     stop.close(step, watchdog)
     if step < cfg.num_iterations:
-        log(env, f"stopped by SIGTERM after step {step} of {cfg.num_iterations}, with its checkpoint: the run "
-                 f"resumes there when it is started again (train.yml), losing no step; peak RSS "
-                 f"{peak_rss_mib():.0f} MiB")
+        saved = "with its checkpoint" if step > start_step else "before its first step, nothing new to save"
+        log(env, f"stopped by SIGTERM after step {step} of {cfg.num_iterations}, {saved}: the run resumes there "
+                 f"when it is started again (train.yml), losing no step; peak RSS {peak_rss_mib():.0f} MiB")
         tracker.finish("KILLED")
         code = EXIT_STOPPED
     else:

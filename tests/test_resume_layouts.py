@@ -192,3 +192,32 @@ def test_local_steps_stop_mid_phase_then_go_on_with_a_node_more(tiny_data_dir, t
     assert abs(resumed[stop + 1] - before[stop]) < 0.15 * before[stop] and resumed[stop + 1] < UNIFORM - 1, (
         before, resumed)
     assert f"outer step 2 at step {stop + 4:05d}:" in out  # the outer step count went on from the checkpoint
+
+
+def test_a_checkpoint_one_disk_cannot_read_stops_every_rank_naming_it(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """Node 1's copy of step 4 is cut short after it was sealed (a failing disk): every rank exits 2
+    naming rank 1, instead of rank 0 timing out in the next collective and restarting in a loop."""
+    run = tmp_path / "run"
+    ok(run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, num_iterations=4)))
+    bad = run / "node1" / "checkpoints" / "step_000004" / "rank1.pt"
+    bad.write_bytes(bad.read_bytes()[:100])
+    for code, out in run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, num_iterations=8)):
+        assert code == EXIT_CONFIG, out
+        assert re.search(r"FATAL: rank 1@\S+: checkpoint \S+step_000004 cannot be resumed", out), out
+        assert "step 00005" not in out
+
+
+def test_an_older_versions_checkpoints_are_not_skipped_when_a_node_is_added(tiny_data_dir, tiny_tokenizer_dir,
+                                                                             tmp_path):
+    """Checkpoints sealed before every disk held every rank's state: with a third node, nobody holds
+    one whole, and the run must not silently start again from step 1."""
+    run = tmp_path / "run"
+    ok(run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, num_iterations=4)))
+    for r in range(2):  # as the older version left them: each disk its own rank's file
+        d = run / f"node{r}" / "checkpoints" / "step_000004"
+        (d / f"rank{1 - r}.pt").unlink()
+        (d / "COMPLETE").write_text(json.dumps({"step": 4, "files": ["model.pt", f"rank{r}.pt"]}))
+    for code, out in run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 3, num_iterations=8)):
+        assert code == EXIT_CONFIG, out
+        assert "written by an older version" in out and "rank 2@" in out and "steps [4]" in out, out
+        assert "step 00001" not in out
