@@ -112,9 +112,11 @@ def kill_trainer(c: Cluster, node: str, unit: str) -> float:
 def resume_after(c: Cluster, unit: str, t0: float, killed: str | None, timeout: float) -> dict:
     """Wait until the run trains again after a fault injected at t0; measure each phase."""
     survivors = [n for n in c.nodes if n != killed]
+    # a clean stop (exit 5: a node shut down, and the ranks stopped with it at a checkpoint) is
+    # logged as "Deactivated successfully", not "Main process exited"
     wait_for("the survivors to exit", lambda: all(
-        first(c.journal(n, unit, t0), r"FATAL|Main process exited|Failed with result") for n in survivors),
-        timeout=COLLECTIVE_TIMEOUT + 60)
+        first(c.journal(n, unit, t0), r"FATAL|Main process exited|Failed with result|Deactivated successfully")
+        for n in survivors), timeout=COLLECTIVE_TIMEOUT + 60)
 
     def resumed():
         lines = c.journal(c.master, unit, t0)
