@@ -103,13 +103,17 @@ def atomic_torch_save(obj, path: str) -> None:
         raise
 
 
-def atomic_write_text(path: str, text: str) -> None:
+def atomic_write_bytes(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def atomic_write_text(path: str, text: str) -> None:
+    atomic_write_bytes(path, text.encode())
 
 
 def fsync_dir(path: str) -> None:
@@ -316,7 +320,8 @@ def tokenizer_refusal(cfg: TrainConfig, where: str, saved: dict, tokenizer_sha: 
 
 def survey(cfg: TrainConfig, env: DistEnv, disks: Disks, watchdog: Watchdog) -> list[dict[int, dict]]:
     """Every rank's complete checkpoints on its disk: {step: its COMPLETE marker}, by rank."""
-    mine = {s: read_marker(cfg.out_dir, s) for s in complete_steps(cfg.out_dir)}
+    markers = {s: read_marker(cfg.out_dir, s) for s in list_steps(cfg.out_dir)}
+    mine = {s: marker for s, marker in markers.items() if marker is not None}  # each marker read once
     if not env.distributed:
         return [mine]
     everyone: list = [None] * env.world_size
@@ -392,12 +397,7 @@ def write_restored_file(out_dir: str, step: int, name: str, data: bytes, env: Di
     d = step_dir(out_dir, step)
     try:
         os.makedirs(d, exist_ok=True)
-        tmp = os.path.join(d, f"{name}.tmp.{os.getpid()}")
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, os.path.join(d, name))
+        atomic_write_bytes(os.path.join(d, name), data)
         if name == "COMPLETE":
             fsync_dir(d)
     except OSError as exc:
