@@ -10,32 +10,72 @@ launcher (LOCAL_WORLD_SIZE == WORLD_SIZE, so one host), the optimizer can instea
 - every rank's gradient buffer in one (world, ...) tensor, from which whoever updates a part sums
   that part of every rank's gradients: no "reduce-scatter" and no "all-gather", one barrier.
 
-The tensors are files in /dev/shm that rank 0 creates and unlinks as soon as every rank has mapped
-them, so nothing is left behind when a run stops, even by SIGKILL (except during the few
-milliseconds between creation and unlink at start).
+The tensors are files in a private directory: `$RUNTIME_DIRECTORY` when systemd set it (the
+trainer unit's `RuntimeDirectory=`, mode 0700, which systemd removes when the unit stops), else
+/dev/shm. For each tensor rank 0 makes a fresh 0700 directory there and one file in it (both
+exclusive: never something another user put there first), every rank opens the file, and rank 0
+removes file and directory again before the call returns: the memory is held only by the
+ranks' mappings, so nothing is left behind when a run stops, even by SIGKILL (except during the
+few milliseconds between creation and unlink at start).
 """
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import math
 import os
 import secrets
 import shutil
+import stat
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 SHM_DIR = Path("/dev/shm")
+# a file of ours and nothing else: O_EXCL fails on anything already there, O_NOFOLLOW on a symlink
+CREATE_FLAGS = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW
+SHM_FIX = "in a container, raise it with podman/docker --shm-size"
+RUN_FIX = ("RUNTIME_DIRECTORY is on /run, a tmpfs systemd sizes to a fraction of RAM: raise it "
+           "(mount -o remount,size=50% /run) or --local-comm gloo")
+
+
+def arena_base() -> tuple[Path | None, str]:
+    """The directory the arena's files go in, or None and why not (for the banner)."""
+    runtime = os.environ.get("RUNTIME_DIRECTORY", "")
+    if not runtime:
+        return SHM_DIR, ""
+    path = Path(runtime.split(":")[0])  # systemd lists one path per RuntimeDirectory= entry; ours has one
+    problem = private_dir_problem(path)
+    if problem:
+        return None, (f"RUNTIME_DIRECTORY={path} {problem}; fix: RuntimeDirectory= with RuntimeDirectoryMode=0700 "
+                      f"in the unit, or unset RUNTIME_DIRECTORY to use {SHM_DIR}")
+    return path, ""
+
+
+def private_dir_problem(path: Path) -> str:
+    """Why `path` is not a directory only this user can enter ("" when it is)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "does not exist"
+    if not stat.S_ISDIR(st.st_mode):
+        return "is not a directory"
+    if st.st_uid != os.getuid():
+        return f"is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})"
+    if st.st_mode & 0o077:
+        return f"has mode {stat.S_IMODE(st.st_mode):04o}: others than its owner may enter it, it must be 0700"
+    return ""
 
 
 def plan(mode: str, world_size: int, local_world_size: int, device: torch.device, nbytes: int,
-         shm_dir: Path = SHM_DIR) -> tuple[bool, str]:
+         shm_dir: Path | None = None) -> tuple[bool, str]:
     """Whether this rank could share the optimizer's buffers in memory, and why (for the banner).
 
     `mode` is --local-comm: auto, shm or gloo. `make_arena` turns the answers of all ranks into
-    one decision (shm where it cannot work is an error there, not a silent fallback).
+    one decision (shm where it cannot work is an error there, not a silent fallback). `shm_dir`:
+    where the files would go, arena_base() unless given.
     """
     if world_size == 1:
         return False, "one rank"
@@ -45,12 +85,17 @@ def plan(mode: str, world_size: int, local_world_size: int, device: torch.device
         return False, f"device {device.type}: NCCL already uses shared memory within a host"
     if local_world_size != world_size:
         return False, f"the ranks span hosts ({local_world_size} of {world_size} on this one)"
+    if shm_dir is None:
+        shm_dir, refused = arena_base()
+        if shm_dir is None:
+            return False, refused
     if not shm_dir.is_dir():
         return False, f"{shm_dir} does not exist"
     free = shutil.disk_usage(shm_dir).free
     if free < nbytes + (64 << 20):
+        fix = RUN_FIX if os.environ.get("RUNTIME_DIRECTORY") else SHM_FIX
         return False, (f"{shm_dir} has {free / 2**20:.0f} MiB free, the buffers need {nbytes / 2**20:.0f} MiB "
-                       f"(in a container, raise it with podman/docker --shm-size)")
+                       f"({fix})")
     return True, (f"all {world_size} ranks on this host share parameters, gradients and optimizer state in {shm_dir} "
                   f"({nbytes / 2**20:.0f} MiB), no copies through Gloo")
 
@@ -77,40 +122,65 @@ def make_arena(mode: str, rank: int, world_size: int, device: torch.device, mode
 class SharedArena:
     """Allocates tensors every rank of this host maps; must be called in the same order on all."""
 
-    def __init__(self, rank: int, group: dist.ProcessGroup | None = None, shm_dir: Path = SHM_DIR):
-        self.rank, self.group, self.shm_dir = rank, group, shm_dir  # rank within the group
-        name = [f"nanochat-{os.getpid()}-{secrets.token_hex(4)}" if rank == 0 else None]
-        dist.broadcast_object_list(name, group=group, group_src=0)
-        self.prefix = name[0]
+    def __init__(self, rank: int, group: dist.ProcessGroup | None = None, shm_dir: Path | None = None):
+        self.rank, self.group = rank, group  # rank within the group
+        stem = [None]
+        if rank == 0:
+            base = shm_dir or arena_base()[0]
+            if base is None:
+                raise ValueError(arena_base()[1])
+            stem = [str(base / f"nanochat-{os.getpid()}-{secrets.token_hex(8)}")]
+        dist.broadcast_object_list(stem, group=group, group_src=0)
+        self.stem, self.files = stem[0], 0
 
     def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zeroed shared tensor; its file is gone again when this returns on any rank."""
-        path = str(self.shm_dir / f"{self.prefix}-{name}")
         numel = math.prod(shape)
-        if self.rank == 0:
-            t = torch.from_file(path, shared=True, size=numel, dtype=dtype)
-            t.zero_()  # touch every page now: a full /dev/shm fails here, not mid-run with SIGBUS
-        dist.barrier(group=self.group)
-        if self.rank != 0:
-            t = torch.from_file(path, shared=True, size=numel, dtype=dtype)
-        dist.barrier(group=self.group)
-        if self.rank == 0:
-            os.unlink(path)
+        fd = self._open_on_every_rank(name, numel * dtype.itemsize)
+        try:  # the file is unlinked already: mapped through this process's descriptor of it
+            t = torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=dtype)
+        finally:
+            os.close(fd)
         return t.view(shape)
 
     def lock(self, name: str) -> HostLock:
         """A lock every rank of this host shares (flock on one open file): what one rank writes
         to shared memory holding it, the next rank to hold it reads. Kernel locks order memory on
         every architecture, which plain flag writes would not on ARM."""
-        path = str(self.shm_dir / f"{self.prefix}-{name}")
+        return HostLock(self._open_on_every_rank(name, 0))  # stays open for the run: the lock lives on the inode
+
+    def _open_on_every_rank(self, name: str, nbytes: int) -> int:
+        """A descriptor of one file of `nbytes` zeros that every rank of the group holds, and that
+        no directory holds any more: rank 0 creates a private directory and the file in it, the
+        others open it, rank 0 removes both."""
+        self.files += 1
+        folder = f"{self.stem}-{self.files}"
+        path = os.path.join(folder, name)
         if self.rank == 0:
-            os.close(os.open(path, os.O_CREAT | os.O_RDWR, 0o600))
+            os.mkdir(folder, 0o700)  # fails on anything already there
+            try:
+                fd = os.open(path, CREATE_FLAGS, 0o600)
+                if nbytes:  # allocated now: a full tmpfs fails here with ENOSPC, not mid-run with SIGBUS
+                    os.posix_fallocate(fd, 0, nbytes)
+            except OSError as exc:
+                remove(path, folder)
+                raise OSError(exc.errno, f"cannot make {nbytes / 2**20:.0f} MiB of shared memory in {folder}: "
+                                         f"{exc.strerror}") from exc
         dist.barrier(group=self.group)
-        fd = os.open(path, os.O_RDWR)  # stays open for the run: the lock lives on the inode
+        if self.rank != 0:
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         dist.barrier(group=self.group)
         if self.rank == 0:
-            os.unlink(path)
-        return HostLock(fd)
+            remove(path, folder)
+        return fd
+
+
+def remove(path: str, folder: str) -> None:
+    """Rank 0's cleanup of one arena file and its directory, whichever of them exists."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+    with contextlib.suppress(FileNotFoundError):
+        os.rmdir(folder)
 
 
 class HostLock:
@@ -127,7 +197,7 @@ class HostLock:
 
 
 def buffer_bytes(model: torch.nn.Module, world_size: int) -> int:
-    """/dev/shm needed: one copy of the parameters, every rank's gradients and the optimizer state
+    """Shared memory needed: one copy of the parameters, every rank's gradients and the optimizer state
     (Muon's momentum, or AdamW's two moments: at most two copies more). Padding, the tables' row
     flags and the work queue aside: plan() keeps a 64 MiB margin."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())

@@ -5,18 +5,24 @@ and test_train_runs (a 2-rank run that resumes through it)."""
 
 from __future__ import annotations
 
+import errno
+import os
+import secrets
 import shutil
+import stat
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
-from nanochat_cpu.shm import make_arena, plan
+from nanochat_cpu.shm import SHM_DIR, SharedArena, arena_base, make_arena, plan
 
 CPU = torch.device("cpu")
 
 
-def test_one_launcher_on_one_host_shares() -> None:
+def test_one_launcher_on_one_host_shares(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
     ok, why = plan("auto", 2, 2, CPU, 1 << 20)
     assert ok and "all 2 ranks on this host share parameters, gradients and optimizer state in /dev/shm (1 MiB)" in why
 
@@ -49,3 +55,97 @@ def test_shm_where_impossible_is_an_error_not_a_fallback() -> None:
         make_arena("shm", 0, 2, torch.device("cuda"), torch.nn.Linear(4, 4))
     arena, why = make_arena("auto", 0, 1, CPU, torch.nn.Linear(4, 4))
     assert arena is None and why == "auto: through the process group (one rank)"
+
+
+@pytest.fixture
+def runtime_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """What systemd's RuntimeDirectory= with RuntimeDirectoryMode=0700 hands the unit."""
+    path = tmp_path / "nanochat"
+    path.mkdir(mode=0o700)
+    monkeypatch.setenv("RUNTIME_DIRECTORY", str(path))
+    return path
+
+
+@pytest.fixture
+def one_process_group():
+    """SharedArena's barriers, in a group of this process alone."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_without_a_runtime_directory_the_arena_is_in_dev_shm(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
+    assert arena_base() == (SHM_DIR, "")
+
+
+def test_the_runtime_directory_is_used_and_named(runtime_dir: Path) -> None:
+    assert arena_base() == (runtime_dir, "")
+    ok, why = plan("auto", 2, 2, CPU, 1 << 20)
+    assert ok and f"optimizer state in {runtime_dir} (1 MiB)" in why
+    ok, why = plan("auto", 2, 2, CPU, shutil.disk_usage(runtime_dir).free)
+    assert not ok and f"{runtime_dir} has" in why and "mount -o remount,size=50% /run" in why
+
+
+@pytest.mark.parametrize(
+    ("spoil", "problem"),
+    [
+        (lambda p: p.chmod(0o750), "has mode 0750: others than its owner may enter it, it must be 0700"),
+        (lambda p: p.chmod(0o701), "has mode 0701"),
+        (lambda p: (p.rmdir(), p.symlink_to(p.parent)), "is not a directory"),
+        (lambda p: (p.rmdir(), p.write_text("")), "is not a directory"),
+        (lambda p: p.rmdir(), "does not exist"),
+    ],
+)
+def test_a_runtime_directory_others_may_enter_is_refused(runtime_dir: Path, spoil, problem: str) -> None:
+    spoil(runtime_dir)
+    ok, why = plan("auto", 2, 2, CPU, 1)
+    assert not ok and f"RUNTIME_DIRECTORY={runtime_dir} {problem}" in why and "RuntimeDirectoryMode=0700" in why
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a directory away takes root")
+def test_a_runtime_directory_of_another_user_is_refused(runtime_dir: Path) -> None:
+    os.chown(runtime_dir, 4242, -1)
+    ok, why = plan("auto", 2, 2, CPU, 1)
+    assert not ok and f"is owned by uid 4242, not by this user (uid {os.getuid()})" in why
+
+
+def test_arena_files_are_private_and_gone_when_mapped(runtime_dir: Path, one_process_group,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[tuple[str, int]] = []
+    real_mkdir = os.mkdir
+
+    def mkdir(path: str, mode: int = 0o777) -> None:
+        real_mkdir(path, mode)
+        made.append((path, os.stat(path).st_mode))
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+    arena = SharedArena(0)
+    t = arena.tensor("params", (3, 4), torch.float32)
+    with arena.lock("work"):
+        t += 1
+    assert t.shape == (3, 4) and t.sum().item() == 12
+    assert [stat.S_IMODE(mode) for _, mode in made] == [0o700, 0o700]
+    assert all(path.startswith(str(runtime_dir / "nanochat-")) for path, _ in made)
+    assert list(runtime_dir.iterdir()) == []  # nothing left for a rank that dies later to leak
+
+
+def test_arena_never_uses_what_someone_else_put_there(runtime_dir: Path, one_process_group,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(secrets, "token_hex", lambda _n: "guessed")
+    arena = SharedArena(0)
+    Path(f"{arena.stem}-1").mkdir()  # planted where the next file's directory would go
+    with pytest.raises(FileExistsError):
+        arena.tensor("params", (4,), torch.float32)
+
+
+def test_a_full_shared_memory_fails_at_allocation_naming_the_directory(runtime_dir: Path, one_process_group,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(_fd: int, _offset: int, _size: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    arena = SharedArena(0)
+    with pytest.raises(OSError, match=f"cannot make 4 MiB of shared memory in {runtime_dir}/nanochat-.*-1: No space"):
+        arena.tensor("params", (1 << 20,), torch.float32)
+    assert list(runtime_dir.iterdir()) == []
