@@ -175,6 +175,47 @@ POSITIVE_FIELDS = ("depth", "aspect_ratio", "head_dim", "max_seq_len", "device_b
                    "total_batch_size", "num_iterations", "eval_tokens")
 
 
+# Upper bounds, with the reason: far past any run a LAN cluster holds, low enough that a typo (a
+# zero or three too many) fails here, on the controller, not by exhausting every node's memory at
+# the first step. A model has about 12 x depth x model_dim^2 parameters.
+MAX_STEPS = 10_000_000  # at one step a second, four months
+MAX_LR = 10.0
+UPPER_BOUNDS: dict[str, tuple[float, str]] = {
+    "depth": (64, "64 blocks at the default aspect ratio are 13 B parameters; nanochat's largest has 32"),
+    "aspect_ratio": (256, "model_dim = depth x aspect_ratio; nanochat uses 64"),
+    "head_dim": (256, "no attention kernel is made for wider heads; nanochat uses 128"),
+    "max_seq_len": (32768, "attention's cost grows with its square; nanochat pretrains at 2048"),
+    "device_batch_size": (1024, "sequences per rank per micro-step: activations grow with them"),
+    "total_batch_size": (1 << 24, "tokens per step; nanochat uses 524,288, this is 32 times that"),
+    "num_iterations": (MAX_STEPS, "at one step a second, four months"),
+    "eval_tokens": (100_000_000, "validation tokens read at every evaluation"),
+    "eval_every": (MAX_STEPS, "--num-iterations' bound: a longer interval than any run is a typo"),
+    "sample_every": (MAX_STEPS, "--num-iterations' bound: a longer interval than any run is a typo"),
+    "checkpoint_every": (MAX_STEPS, "--num-iterations' bound: a longer interval than any run is a typo"),
+    "checksum_every": (MAX_STEPS, "--num-iterations' bound: a longer interval than any run is a typo"),
+    "keep_checkpoints": (100, "each is a full copy of the model and the optimizer state on disk"),
+    "collective_timeout": (86400, "a day: how long a rank waits for a dead peer before it exits"),
+    "matrix_lr": (MAX_LR, "the defaults are 0.004 to 0.5; beyond this training diverges at once"),
+    "embedding_lr": (MAX_LR, "the defaults are 0.004 to 0.5; beyond this training diverges at once"),
+    "unembedding_lr": (MAX_LR, "the defaults are 0.004 to 0.5; beyond this training diverges at once"),
+    "scalar_lr": (MAX_LR, "the defaults are 0.004 to 0.5; beyond this training diverges at once"),
+    "weight_decay": (MAX_LR, "each step shrinks the matrices by lr x weight_decay; nanochat uses 0 to 0.2"),
+    "outer_lr": (MAX_LR, "DiLoCo uses 0.7, 1 is plain averaging"),
+    "seed": (2**32 - 1, "numpy and most seeded tools take 32-bit seeds"),
+}
+MAX_SYNC_EVERY = (10_000, "DiLoCo's published H is 30 to 100 and auto stops at 100; more lets the nodes drift "
+                          "apart for hours")
+MIN_HEAD_DIM = 8
+MAX_MODEL_DIM = 8192  # 8192 wide at depth 64: 50 B parameters
+MIN_MODEL_DIM = 32  # the value-embedding gate reads the first 32 channels (model.VE_GATE_CHANNELS)
+
+
+def model_dim(depth: int, aspect_ratio: int, head_dim: int) -> int:
+    """model.model_config_from's width: depth x aspect_ratio rounded up to whole heads (so the
+    heads always divide it)."""
+    return -(-depth * aspect_ratio // head_dim) * head_dim
+
+
 def validate(cfg: TrainConfig, world_size: int) -> None:
     """Raise ConfigError naming the value and the fix (the log line adds the host)."""
     for name in POSITIVE_FIELDS:
@@ -191,6 +232,13 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         value = getattr(cfg, f.name)
         if isinstance(value, float) and not math.isfinite(value):
             raise flag_problem(f.name, value, "must be a finite number")
+    for name, (bound, why) in UPPER_BOUNDS.items():
+        if getattr(cfg, name) > bound:
+            raise too_large(name, getattr(cfg, name), bound, why)
+    steps = sync_every_steps(cfg)
+    if steps is not None and steps > MAX_SYNC_EVERY[0]:
+        raise too_large("sync_every", cfg.sync_every, *MAX_SYNC_EVERY)
+    validate_shape(cfg)
     if cfg.collective_timeout <= 0:
         raise flag_problem("collective_timeout", cfg.collective_timeout, "must be > 0 seconds")
     for name in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay"):
@@ -226,6 +274,30 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
             f"--total-batch-size={cfg.total_batch_size} {problem}. {suggest(cfg, unit, sizes is None, world_size)}",
             "total_batch_size", cfg.total_batch_size, problem, nearest,
         )
+
+
+def too_large(name: str, value: object, bound: float, why: str) -> ConfigError:
+    flag = "--" + name.replace("_", "-")
+    return flag_problem(name, value, f"must be at most {bound:,} ({why}); fix: {flag} {bound} or less")
+
+
+def validate_shape(cfg: TrainConfig) -> None:
+    """The model the flags make: heads that rotary embeddings can turn, a width the model can use."""
+    if cfg.head_dim % 2 or cfg.head_dim < MIN_HEAD_DIM:
+        raise flag_problem("head_dim", cfg.head_dim, f"must be an even number from {MIN_HEAD_DIM} to "
+                                                     f"{UPPER_BOUNDS['head_dim'][0]} (rotary embeddings turn pairs of "
+                                                     f"channels); fix: --head-dim 128 (nanochat's) or 64")
+    dim = model_dim(cfg.depth, cfg.aspect_ratio, cfg.head_dim)
+    shape = (f"model_dim = --depth {cfg.depth} x --aspect-ratio {cfg.aspect_ratio}, rounded up to whole heads of "
+             f"--head-dim {cfg.head_dim}, = {dim}")
+    if dim > MAX_MODEL_DIM:
+        problem = (f"makes {shape}: more than {MAX_MODEL_DIM} (about {12 * cfg.depth * dim**2 / 1e9:.0f} B "
+                   f"parameters); fix: --aspect-ratio {MAX_MODEL_DIM // cfg.depth} or less")
+        raise flag_problem("aspect_ratio", cfg.aspect_ratio, problem)
+    if dim < MIN_MODEL_DIM:
+        raise flag_problem("aspect_ratio", cfg.aspect_ratio, f"makes {shape}: less than {MIN_MODEL_DIM}, the channels "
+                                                             f"the value-embedding gate reads; fix: a larger "
+                                                             f"--aspect-ratio or --head-dim")
 
 
 def host_problems(cfg: TrainConfig, create: bool = True) -> list[str]:
@@ -282,6 +354,10 @@ def explicit_rank_batch_sizes(cfg: TrainConfig, world_size: int) -> list[int] | 
     if len(sizes) != world_size or min(sizes) < 1:
         raise ConfigError(f"--rank-batch-sizes={cfg.rank_batch_sizes!r}: need {world_size} positive "
                           f"integers, one per rank (WORLD_SIZE={world_size})")
+    bound, why = UPPER_BOUNDS["device_batch_size"]
+    if max(sizes) > bound:
+        raise ConfigError(f"--rank-batch-sizes={cfg.rank_batch_sizes!r}: {max(sizes)} sequences for one rank, more "
+                          f"than {bound} ({why}); fix: at most {bound} per rank")
     return sizes
 
 
