@@ -93,6 +93,7 @@ class Tracker:
         self._start_tried = threading.Event()  # the first attempt to start the run is over
         self._down = ""  # why the store does not answer; empty while it does
         self._dropped = 0  # metric batches dropped since the store last answered
+        self._refused: set[str] = set()  # kinds of job the store refused (and said so)
         self._worker = threading.Thread(target=self._work, name="mlflow", daemon=True)
         self._worker.start()
 
@@ -191,9 +192,10 @@ class Tracker:
                 return False
             if kind == "start":  # the store answered and refused: nothing else can be logged either
                 self._give_up(f"MLflow at {shown_uri(self.uri)} refused to start the run: {describe(exc)}")
-            else:
+            elif kind not in self._refused:  # a deleted run refuses every batch: said once, not every flush
+                self._refused.add(kind)
                 log(self.env, f"WARNING: MLflow at {shown_uri(self.uri)} refused the {kind}: {describe(exc)}; "
-                              f"dropped them, training goes on")
+                              f"dropped them (and any it refuses later), training goes on")
         self._came_back()
         return True
 

@@ -187,6 +187,19 @@ def test_a_resumed_run_keeps_its_id_and_params(store_uri, tmp_path):
     assert run.info.status == "FINISHED" and run.data.params == {"depth": "4", "world_size": "2"}
 
 
+def test_batches_the_store_refuses_are_dropped_with_one_warning(store_uri, tmp_path, monkeypatch, capsys):
+    def refuse(*_args: object, **_kwargs: object) -> None:
+        raise MlflowException.invalid_parameter_value("The run must be in the 'active' state")
+
+    tracker, _ = make_tracker(store_uri, tmp_path)
+    assert until(lambda: tracker.run_id is not None)
+    monkeypatch.setattr(SqlAlchemyStore, "log_batch", refuse)
+    log_steps(tracker, range(1, 5))
+    tracker.finish()
+    out = capsys.readouterr().out
+    assert out.count("refused the metrics") == 1 and "does not answer" not in out and "gave up" not in out
+
+
 class Refuses(BaseHTTPRequestHandler):
     """What MLflow's basic-auth app answers to a wrong password."""
 
