@@ -54,7 +54,11 @@ def shown_uri(uri: str) -> str:
 
 def request_timeout() -> float:
     """Seconds MLflow's client waits for one answer (ours, or what the user exported)."""
-    return float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", HTTP_DEFAULTS["MLFLOW_HTTP_REQUEST_TIMEOUT"]))
+    ours = HTTP_DEFAULTS["MLFLOW_HTTP_REQUEST_TIMEOUT"]
+    try:
+        return float(os.environ.get("MLFLOW_HTTP_REQUEST_TIMEOUT", ours))
+    except ValueError:  # MLflow's client refuses it too (and the worker says so): never stop the run over it
+        return float(ours)
 
 
 def http_status(exc: BaseException) -> int:
