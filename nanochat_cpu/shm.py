@@ -37,12 +37,12 @@ SHM_DIR = Path("/dev/shm")
 # a file of ours and nothing else: O_EXCL fails on anything already there, O_NOFOLLOW on a symlink
 CREATE_FLAGS = os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_NOFOLLOW
 SHM_FIX = "in a container, raise it with podman/docker --shm-size"
-RUN_FIX = ("RUNTIME_DIRECTORY is on /run, a tmpfs systemd sizes to a fraction of RAM: raise it "
-           "(mount -o remount,size=50% /run) or --local-comm gloo")
+MARGIN = 64 << 20  # beyond buffer_bytes(): padding, the tables' row flags, the work queue
 
 
-def arena_base() -> tuple[Path | None, str]:
-    """The directory the arena's files go in, or None and why not (for the banner)."""
+def arena_base(nbytes: int = 0) -> tuple[Path | None, str]:
+    """The directory the arena's `nbytes` go in, or None and why not; the second item also says
+    why /dev/shm was taken over a RUNTIME_DIRECTORY (for the banner)."""
     runtime = os.environ.get("RUNTIME_DIRECTORY", "")
     if not runtime:
         return SHM_DIR, ""
@@ -51,6 +51,11 @@ def arena_base() -> tuple[Path | None, str]:
     if problem:
         return None, (f"RUNTIME_DIRECTORY={path} {problem}; fix: RuntimeDirectory= with RuntimeDirectoryMode=0700 "
                       f"in the unit, or unset RUNTIME_DIRECTORY to use {SHM_DIR}")
+    free = shutil.disk_usage(path).free
+    if free < nbytes + MARGIN:
+        # /run is a tmpfs sized to a fraction of RAM; /dev/shm is as private here (a fresh 0700
+        # directory per file, unlinked once mapped), so a small /run never costs the shared path.
+        return SHM_DIR, f"{path} has {free / 2**20:.0f} MiB free, so {SHM_DIR}"
     return path, ""
 
 
@@ -75,7 +80,7 @@ def plan(mode: str, world_size: int, local_world_size: int, device: torch.device
 
     `mode` is --local-comm: auto, shm or gloo. `make_arena` turns the answers of all ranks into
     one decision (shm where it cannot work is an error there, not a silent fallback). `shm_dir`:
-    where the files would go, arena_base() unless given.
+    where the files would go, arena_base(nbytes) unless given.
     """
     if world_size == 1:
         return False, "one rank"
@@ -85,19 +90,19 @@ def plan(mode: str, world_size: int, local_world_size: int, device: torch.device
         return False, f"device {device.type}: NCCL already uses shared memory within a host"
     if local_world_size != world_size:
         return False, f"the ranks span hosts ({local_world_size} of {world_size} on this one)"
+    note = ""
     if shm_dir is None:
-        shm_dir, refused = arena_base()
+        shm_dir, note = arena_base(nbytes)
         if shm_dir is None:
-            return False, refused
+            return False, note
     if not shm_dir.is_dir():
         return False, f"{shm_dir} does not exist"
     free = shutil.disk_usage(shm_dir).free
-    if free < nbytes + (64 << 20):
-        fix = RUN_FIX if os.environ.get("RUNTIME_DIRECTORY") else SHM_FIX
+    if free < nbytes + MARGIN:
         return False, (f"{shm_dir} has {free / 2**20:.0f} MiB free, the buffers need {nbytes / 2**20:.0f} MiB "
-                       f"({fix})")
+                       f"({SHM_FIX})")
     return True, (f"all {world_size} ranks on this host share parameters, gradients and optimizer state in {shm_dir} "
-                  f"({nbytes / 2**20:.0f} MiB), no copies through Gloo")
+                  f"({nbytes / 2**20:.0f} MiB{', ' + note if note else ''}), no copies through Gloo")
 
 
 def make_arena(mode: str, rank: int, world_size: int, device: torch.device, model: torch.nn.Module,
@@ -106,7 +111,8 @@ def make_arena(mode: str, rank: int, world_size: int, device: torch.device, mode
     `group` (the ranks that would share it: the world, or one node's ranks; `rank` and `world_size`
     are within it)."""
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    ok, why = plan(mode, world_size, local, device, buffer_bytes(model, world_size))
+    nbytes = buffer_bytes(model, world_size)
+    ok, why = plan(mode, world_size, local, device, nbytes)
     if world_size > 1 and mode != "gloo" and device.type == "cpu":
         flag = torch.tensor([int(ok)])
         dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)  # one rank short of /dev/shm: nobody shares
@@ -116,7 +122,7 @@ def make_arena(mode: str, rank: int, world_size: int, device: torch.device, mode
         raise ValueError(f"--local-comm shm is not possible: {why}. Fix: --local-comm auto or gloo")
     if not ok:
         return None, f"{mode}: through the process group ({why})"
-    return SharedArena(rank, group), f"{mode}: {why}"
+    return SharedArena(rank, group, arena_base(nbytes)[0]), f"{mode}: {why}"
 
 
 class SharedArena:
@@ -199,6 +205,6 @@ class HostLock:
 def buffer_bytes(model: torch.nn.Module, world_size: int) -> int:
     """Shared memory needed: one copy of the parameters, every rank's gradients and the optimizer state
     (Muon's momentum, or AdamW's two moments: at most two copies more). Padding, the tables' row
-    flags and the work queue aside: plan() keeps a 64 MiB margin."""
+    flags and the work queue aside: plan() keeps MARGIN."""
     params = sum(p.numel() * p.element_size() for p in model.parameters())
     return params * (3 + world_size)
