@@ -3,9 +3,10 @@
 Runs without any node: every role is complete (a task file per entry point; defaults and argument
 specs with exactly the same option names, each read somewhere) and its README follows one outline,
 every module is named by FQCN, every playbook passes --syntax-check, yamllint and ansible-lint
-(production profile) pass, the interface filter picks the right NIC, a bad train.yml extra-var ends
-the playbook before any node play starts, and the trainer's own check it runs on the controller
-(python -m nanochat_cpu.config check) needs no torch.
+(production profile) pass, the interface filter picks the right NIC, lan_subnet must be a private
+range, the firewall's filters want each node's address and find only our stale ufw rules, a bad
+train.yml extra-var ends the playbook before any node play starts, and the trainer's own check it
+runs on the controller (python -m nanochat_cpu.config check) needs no torch.
 """
 
 from __future__ import annotations
@@ -325,17 +326,27 @@ def test_subnet_check_names_the_value_and_the_fix(subnet: str, expect: str) -> N
 
 
 PORTS = {"master": 29500, "gloo_min": 40000, "gloo_max": 40999, "mlflow": 5000}
-USER_RULES = """*filter
-### tuple ### allow tcp 22 0.0.0.0/0 any 0.0.0.0/0 in comment=737368
-### tuple ### allow tcp 29500 0.0.0.0/0 any 10.77.1.0/24 in comment=6e616e6f6368617420746f72636872756e2072656e64657a766f7573
-### tuple ### allow tcp 40000:40999 0.0.0.0/0 any 10.77.1.10 in comment=6e616e6f6368617420676c6f6f
-### tuple ### allow tcp 40000:40999 0.0.0.0/0 any 10.77.1.13 in comment=6e616e6f6368617420676c6f6f
-### tuple ### allow tcp 5000 0.0.0.0/0 any 10.77.1.10 in comment=6e616e6f63686174206d6c666c6f77
-### tuple ### allow tcp 8080 0.0.0.0/0 any 10.77.1.0/24 in
-"""
-USER6_RULES = """### tuple ### allow tcp 22 ::/0 any ::/0 in comment=737368
-### tuple ### allow tcp 29500 ::/0 any fd00::/64 in comment=6e616e6f6368617420746f72636872756e2072656e64657a766f7573
-"""
+
+
+def _ufw_tuple(port: str, source: str, comment: str = "", anywhere: str = "0.0.0.0/0") -> str:
+    """A rule line as ufw writes it in /etc/ufw/user.rules (the comment hex-encoded)."""
+    return f"### tuple ### allow tcp {port} {anywhere} any {source} in" + (
+        f" comment={comment.encode().hex()}" if comment else "")
+
+
+USER_RULES = "\n".join([
+    "*filter",
+    _ufw_tuple("22", "0.0.0.0/0", "ssh"),
+    _ufw_tuple("29500", "10.77.1.0/24", "nanochat torchrun rendezvous"),  # an earlier version's subnet rule
+    _ufw_tuple("40000:40999", "10.77.1.10", "nanochat gloo"),
+    _ufw_tuple("40000:40999", "10.77.1.13", "nanochat gloo"),
+    _ufw_tuple("5000", "10.77.1.10", "nanochat mlflow"),
+    _ufw_tuple("8080", "10.77.1.0/24"),  # a person's rule
+])
+USER6_RULES = "\n".join([
+    _ufw_tuple("22", "::/0", "ssh", "::/0"),
+    _ufw_tuple("29500", "fd00::/64", "nanochat torchrun rendezvous", "::/0"),
+])
 
 
 def test_firewall_wants_each_node_address_on_each_port() -> None:

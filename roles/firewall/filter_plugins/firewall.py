@@ -98,8 +98,4 @@ def firewall_source_problems(nodes: dict[str, str], clients: list[str], lan_subn
 
 class FilterModule:
     def filters(self) -> dict[str, Any]:
-        return {
-            "firewall_training_rules": firewall_training_rules,
-            "firewall_stale_rules": firewall_stale_rules,
-            "firewall_source_problems": firewall_source_problems,
-        }
+        return {f.__name__: f for f in (firewall_training_rules, firewall_stale_rules, firewall_source_problems)}
