@@ -3,9 +3,10 @@
 Runs without any node: every role is complete (a task file per entry point; defaults and argument
 specs with exactly the same option names, each read somewhere) and its README follows one outline,
 every module is named by FQCN, every playbook passes --syntax-check, yamllint and ansible-lint
-(production profile) pass, the interface filter picks the right NIC, a bad train.yml extra-var ends
-the playbook before any node play starts, and the trainer's own check it runs on the controller
-(python -m nanochat_cpu.config check) needs no torch.
+(production profile) pass, the interface filter picks the right NIC, lan_subnet must be a private
+range, the firewall's filters want each node's address and find only our stale ufw rules, a bad
+train.yml extra-var ends the playbook before any node play starts, and the trainer's own check it
+runs on the controller (python -m nanochat_cpu.config check) needs no torch.
 """
 
 from __future__ import annotations
@@ -243,12 +244,16 @@ def test_inventory_doc_names_every_variable_the_roles_read() -> None:
 
 # ---- the interface filter ---------------------------------------------------------------------
 
-def _filter():
-    path = ROLES_DIR / "cluster_facts/filter_plugins/cluster_facts.py"
-    spec = importlib.util.spec_from_file_location("cluster_facts_filter", path)
+def _plugin(role: str, name: str):
+    path = ROLES_DIR / role / "filter_plugins" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"{name}_filter", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod.cluster_facts_train_net
+    return mod
+
+
+def _filter():
+    return _plugin("cluster_facts", "cluster_facts").cluster_facts_train_net
 
 
 FACTS = {
@@ -294,6 +299,94 @@ def test_filter_rejects_a_bad_subnet_and_dashed_names() -> None:
     assert _filter()(facts, "10.0.0.0/8", "br-lan")["ipv4"] == "10.0.0.2"
 
 
+@pytest.mark.parametrize("subnet", ["192.168.1.0/24", "10.0.0.0/8", "172.16.0.0/12", "172.20.5.0/24", "10.77.1.0/24"])
+def test_subnet_check_accepts_private_ranges(subnet: str) -> None:
+    assert _plugin("cluster_facts", "cluster_facts").cluster_facts_subnet_problem(subnet) == ""
+
+
+@pytest.mark.parametrize(
+    ("subnet", "expect"),
+    [
+        ("0.0.0.0/0", "is not inside a private range"),
+        ("8.8.8.0/24", "is not inside a private range"),
+        ("10.0.0.0/7", "is not inside a private range"),
+        ("172.0.0.0/8", "is not inside a private range"),
+        ("100.64.0.0/10", "is not inside a private range"),
+        ("192.168.1.5", "has no prefix length"),
+        ("fd00::/64", "is not an IPv4 network"),
+        ("192.168.1/abc", "is not an IPv4 network"),
+        ("", "lan_subnet is not set"),
+    ],
+)
+def test_subnet_check_names_the_value_and_the_fix(subnet: str, expect: str) -> None:
+    problem = _plugin("cluster_facts", "cluster_facts").cluster_facts_subnet_problem(subnet)
+    assert expect in problem and "Fix: set lan_subnet" in problem, problem
+    if subnet:
+        assert repr(subnet) in problem
+
+
+PORTS = {"master": 29500, "gloo_min": 40000, "gloo_max": 40999, "mlflow": 5000}
+
+
+def _ufw_tuple(port: str, source: str, comment: str = "", anywhere: str = "0.0.0.0/0") -> str:
+    """A rule line as ufw writes it in /etc/ufw/user.rules (the comment hex-encoded)."""
+    return f"### tuple ### allow tcp {port} {anywhere} any {source} in" + (
+        f" comment={comment.encode().hex()}" if comment else "")
+
+
+USER_RULES = "\n".join([
+    "*filter",
+    _ufw_tuple("22", "0.0.0.0/0", "ssh"),
+    _ufw_tuple("29500", "10.77.1.0/24", "nanochat torchrun rendezvous"),  # an earlier version's subnet rule
+    _ufw_tuple("40000:40999", "10.77.1.10", "nanochat gloo"),
+    _ufw_tuple("40000:40999", "10.77.1.13", "nanochat gloo"),
+    _ufw_tuple("5000", "10.77.1.10", "nanochat mlflow"),
+    _ufw_tuple("8080", "10.77.1.0/24"),  # a person's rule
+])
+USER6_RULES = "\n".join([
+    _ufw_tuple("22", "::/0", "ssh", "::/0"),
+    _ufw_tuple("29500", "fd00::/64", "nanochat torchrun rendezvous", "::/0"),
+])
+
+
+def test_firewall_wants_each_node_address_on_each_port() -> None:
+    fw = _plugin("firewall", "firewall")
+    rules = fw.firewall_training_rules(["10.77.1.10", "10.77.1.11"], PORTS, [])
+    assert [(r["port"], r["from_ip"]) for r in rules] == [
+        ("29500", "10.77.1.10"), ("40000:40999", "10.77.1.10"), ("29500", "10.77.1.11"), ("40000:40999", "10.77.1.11")]
+    assert {r["comment"] for r in rules} == {"nanochat torchrun rendezvous", "nanochat gloo"}
+    master = fw.firewall_training_rules(["10.77.1.10"], PORTS, ["10.77.1.10", "10.77.1.1"])
+    assert [(r["port"], r["from_ip"]) for r in master if r["port"] == "5000"] == [("5000", "10.77.1.10"),
+                                                                                  ("5000", "10.77.1.1")]
+
+
+def test_firewall_finds_our_stale_rules_only() -> None:
+    """The subnet-wide rule of earlier versions, a removed node, MLflow when not wanted, anything of ours on
+    IPv6 are stale; the SSH rule and a person's rule (no 'nanochat ' comment) are not ours."""
+    fw = _plugin("firewall", "firewall")
+    wanted = fw.firewall_training_rules(["10.77.1.10", "10.77.1.11"], PORTS, [])
+    stale = fw.firewall_stale_rules([USER_RULES, USER6_RULES], wanted)
+    assert [(r["port"], r["from_ip"]) for r in stale] == [
+        ("29500", "10.77.1.0/24"), ("40000:40999", "10.77.1.13"), ("5000", "10.77.1.10"), ("29500", "fd00::/64")]
+    assert all(r["rule"] == "allow" and r["proto"] == "tcp" for r in stale)
+    current = fw.firewall_training_rules(["10.77.1.10", "10.77.1.13"], PORTS, ["10.77.1.10"])
+    kept = fw.firewall_stale_rules([USER_RULES], current)
+    assert [(r["port"], r["from_ip"]) for r in kept] == [("29500", "10.77.1.0/24")]
+
+
+def test_firewall_refuses_sources_off_the_lan_or_on_ipv6() -> None:
+    fw = _plugin("firewall", "firewall")
+    assert fw.firewall_source_problems({"node0": "10.77.1.10"}, ["10.77.1.1", "192.168.5.0/24"], "10.77.1.0/24") == []
+    problems = fw.firewall_source_problems(
+        {"node0": "10.77.1.10", "node1": "", "node2": "10.88.0.2"}, ["fd00::1", "0.0.0.0/0"], "10.77.1.0/24")
+    assert problems == [
+        "node1: no training address (not in this play, and no node_ipv4 in the inventory)",
+        "node2: training address '10.88.0.2' is not an IPv4 address in lan_subnet 10.77.1.0/24",
+        "firewall_mlflow_clients: 'fd00::1' is not an IPv4 address or a network of /8 or longer",
+        "firewall_mlflow_clients: '0.0.0.0/0' is not an IPv4 address or a network of /8 or longer",
+    ]
+
+
 # ---- train.yml refuses bad input before any node play --------------------------------------------
 
 LOCALHOST_INV = """all:
@@ -316,6 +409,10 @@ LOCALHOST_INV = """all:
         (["-e", "work_split=fast"], "work_split=fast must be one of: auto, even, inventory"),
         (["-e", "sync_every=0"], "sync_every=0 must be a positive integer or auto"),
         (["-e", "train_device=cuda"], "train_device=cuda needs torch_variant cuNNN on every node; laptop"),
+        (["-e", "lan_subnet=0.0.0.0/0"], "lan_subnet='0.0.0.0/0' is not inside a private range"),
+        (["-e", "nproc_per_node=100"], "nproc_per_node=100 must be an integer from 1 to 64"),
+        (["-e", "restart=ture"], "restart=ture must be true or false"),
+        (["-e", "run_start_join_timeout=99999"], "run_start_join_timeout=99999 a number of seconds from 30 to 3600"),
     ],
 )
 def test_bad_extra_vars_fail_before_any_node_play(tmp_path: Path, extra: list[str], expect: str) -> None:
@@ -386,7 +483,10 @@ def test_sync_every_and_the_outer_step_reach_the_trainer_flags(tmp_path: Path) -
 def test_work_split_from_the_inventory_is_checked_per_host(tmp_path: Path) -> None:
     res = run_validate_on_localhost(tmp_path, {"workstation": 3, "laptop": 0}, "-e", "work_split=inventory")
     assert res.returncode != 0
-    assert "laptop: train_rows=0 must be a positive integer" in res.stdout
+    assert "laptop: train_rows=0 must be an integer from 1 to 1024" in res.stdout
+    res = run_validate_on_localhost(tmp_path, {"workstation": 5000, "laptop": 1}, "-e", "work_split=inventory")
+    assert res.returncode != 0
+    assert "workstation: train_rows=5000 must be an integer from 1 to 1024" in " ".join(res.stdout.split())
     res = run_validate_on_localhost(tmp_path, {"workstation": 3, "laptop": 1}, "-e", "work_split=inventory",
                                   "-e", "total_batch_size=1000", "-e", "max_seq_len=256")
     out = " ".join(res.stdout.split())

@@ -57,12 +57,15 @@ def test_wrong_and_ipv6_only_interfaces(cluster: Cluster, wrong_interfaces: Path
 
 @pytest.fixture
 def gloo_blocked(cluster: Cluster) -> Iterator[str]:
-    """The last worker, its ufw rule for the Gloo range deleted."""
+    """The last worker, its ufw rules for the Gloo range (one per node address) deleted."""
     node = cluster.workers[-1]
-    rule = f"proto tcp from {cluster.subnet} to any port {GLOO_MIN}:{GLOO_MAX}"
-    cluster.sh(node, f"ufw delete allow {rule}")
+    sources = [cluster.hostvars[n]["node_ipv4"] for n in cluster.nodes]
+    rules = [f"proto tcp from {source} to any port {GLOO_MIN}:{GLOO_MAX}" for source in sources]
+    for rule in rules:
+        cluster.sh(node, f"ufw delete allow {rule}")
     yield node
-    cluster.sh(node, f"ufw allow {rule} comment 'nanochat gloo'", check=False)
+    for rule in rules:
+        cluster.sh(node, f"ufw allow {rule} comment 'nanochat gloo'", check=False)
 
 
 def test_gloo_range_dropped_by_ufw(cluster: Cluster, gloo_blocked: str, case_report: dict) -> None:

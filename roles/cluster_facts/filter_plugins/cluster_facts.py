@@ -1,4 +1,4 @@
-"""Filters that pick a node's training interface from its gathered facts.
+"""Filters that check lan_subnet and pick a node's training interface from its gathered facts.
 
 Written with the standard library's ``ipaddress`` so the roles need neither ``netaddr`` nor
 the ``ansible.utils`` collection on the controller.
@@ -32,6 +32,30 @@ def _in_subnet(address: str, network: ipaddress.IPv4Network) -> bool:
         return ipaddress.ip_address(address) in network
     except ValueError:
         return False
+
+
+# The private IPv4 ranges of RFC 1918: a LAN's subnet lies inside one of them. Anything else (a public
+# range, 0.0.0.0/0, CGNAT's 100.64.0.0/10) is not a home or office LAN.
+PRIVATE_RANGES = tuple(ipaddress.IPv4Network(r) for r in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16"))
+
+
+def cluster_facts_subnet_problem(lan_subnet: str) -> str:
+    """'' when lan_subnet is a private IPv4 network of prefix /8 or longer, else what is wrong and the fix."""
+    fix = "Fix: set lan_subnet to your LAN's network, e.g. 192.168.1.0/24 (ip -4 addr on a node shows it)"
+    if not str(lan_subnet):
+        return f"lan_subnet is not set. {fix}"
+    try:
+        network = ipaddress.IPv4Network(str(lan_subnet), strict=False)
+    except ValueError:
+        return f"lan_subnet={lan_subnet!r} is not an IPv4 network in CIDR form. {fix}"
+    if "/" not in str(lan_subnet):
+        return f"lan_subnet={lan_subnet!r} has no prefix length (/24, ...). {fix}"
+    if not any(network.subnet_of(private) for private in PRIVATE_RANGES):
+        return (
+            f"lan_subnet={lan_subnet!r} is not inside a private range (10.0.0.0/8, 172.16.0.0/12, "
+            f"192.168.0.0/16), as a LAN's network is. {fix}"
+        )
+    return ""
 
 
 def cluster_facts_train_net(facts: dict[str, Any], lan_subnet: str, requested: str = "") -> dict[str, str]:
@@ -91,4 +115,7 @@ def cluster_facts_train_net(facts: dict[str, Any], lan_subnet: str, requested: s
 
 class FilterModule:
     def filters(self) -> dict[str, Any]:
-        return {"cluster_facts_train_net": cluster_facts_train_net}
+        return {
+            "cluster_facts_subnet_problem": cluster_facts_subnet_problem,
+            "cluster_facts_train_net": cluster_facts_train_net,
+        }
