@@ -19,6 +19,8 @@ from nanochat_cpu import tracking
 from nanochat_cpu.config import TrainConfig
 from nanochat_cpu.dist import DistEnv
 from nanochat_cpu.tracking import Tracker, finish_seconds, shown_uri
+from tests.test_train_runs import losses, tiny_flags, train_target
+from tests.torchrun_helpers import run_torchrun
 
 STEP_BOUND_S = 0.2  # what one log call may cost the step loop
 SECRET = "pw-that-must-never-be-logged"
@@ -248,3 +250,19 @@ def test_none_and_other_ranks_do_nothing(tmp_path):
         t.finish()
     assert not tracker.enabled and not rank1.enabled and rank1.run_id == "abc"
     assert not (tmp_path / "r1").exists()
+
+
+def test_a_training_run_logging_to_a_hung_server_trains_to_its_end(hung_server, tiny_data_dir, tiny_tokenizer_dir,
+                                                                    tmp_path, monkeypatch: pytest.MonkeyPatch):
+    """The whole trainer under the product's own client settings (5 s requests, one retry): every
+    step is taken, the journal says once that MLflow does not answer, and the exit waits only
+    finish()'s bound for it."""
+    for name in ("MLFLOW_HTTP_REQUEST_TIMEOUT", "MLFLOW_HTTP_REQUEST_MAX_RETRIES"):
+        monkeypatch.delenv(name)
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, tracking_uri=hung_server, num_iterations=8)
+    proc = run_torchrun(2, train_target(*flags), timeout=180)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert sorted(losses(proc.stdout)) == list(range(1, 9))
+    assert out.count(f"WARNING: MLflow at {hung_server} does not answer") <= 1, out  # said once, if at all
+    assert "gave up on them" in out and SECRET not in out
