@@ -1,0 +1,74 @@
+"""ansible-playbook's screen output for this project: the default callback, with waits that say
+something.
+
+A task that polls (`until:` with `retries:`) prints one `FAILED - RETRYING` line per attempt in
+the default callback: a run that trains for an hour fills the screen with hundreds of them and
+no step, loss or time left. Here a retry prints
+- the result's `progress` line when the task returns one (the run role's `run_progress` module:
+  step, loss, tok/s, elapsed, ETA, val bpb), and only when it changed;
+- otherwise one `waiting:` line at the first retry and one every `quiet_retry_s` seconds after,
+  saying how long it has waited and how many attempts are left.
+Everything else is the default callback's output.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ansible import constants as C
+from ansible.plugins.callback.default import CallbackModule as DefaultCallback
+
+DOCUMENTATION = """
+    name: nanochat
+    type: stdout
+    short_description: the default output, with quiet waits and live run progress
+    description:
+      - The default stdout callback, except for retries of tasks that poll with until/retries.
+      - A retry whose result carries C(progress) prints that line when it changed; any other retry
+        prints one C(waiting:) line at first and then one every O(quiet_retry_s) seconds.
+    extends_documentation_fragment:
+      - default_callback
+      - result_format_callback
+    options:
+      quiet_retry_s:
+        description: Seconds between the C(waiting:) lines of one task on one host.
+        type: int
+        default: 60
+        ini:
+          - section: nanochat_callback
+            key: quiet_retry_s
+        env:
+          - name: NANOCHAT_QUIET_RETRY_S
+    requirements:
+      - set as stdout_callback in ansible.cfg (this repository's does)
+"""
+
+
+class CallbackModule(DefaultCallback):
+    CALLBACK_VERSION = 2.0
+    CALLBACK_TYPE = "stdout"
+    CALLBACK_NAME = "nanochat"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._last_progress: dict[tuple[str, str], str] = {}  # (host, task) -> the line last shown
+        self._waiting_since: dict[tuple[str, str], tuple[float, float]] = {}  # -> (first, last shown)
+
+    def v2_runner_retry(self, result) -> None:
+        host = self.host_label(result)
+        key = (host, result.task._uuid)
+        left = result.result["retries"] - result.result["attempts"]
+        progress = result.result.get("progress")
+        if progress:
+            if self._last_progress.get(key) != progress:
+                self._last_progress[key] = progress
+                self._display.display(f"  [{host}] {progress}", color=C.COLOR_OK)
+            return
+        now = time.monotonic()
+        first, shown = self._waiting_since.get(key, (now, 0.0))
+        if shown and now - shown < self.get_option("quiet_retry_s"):
+            return
+        self._waiting_since[key] = (first, now)
+        waited = f", {now - first:.0f} s so far" if shown else ""
+        self._display.display(f"waiting: [{host}]: {result.task_name or result.task} "
+                              f"({left} attempts left{waited})", color=C.COLOR_DEBUG)
