@@ -229,10 +229,11 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise flag_problem("keep_checkpoints", cfg.keep_checkpoints, "must be at least 2 (while one is being "
                                                                       "sealed, the one before is the fallback)")
     for name in ("eval_every", "sample_every"):
-        if getattr(cfg, name) < NEVER:
+        value = getattr(cfg, name)
+        if value < NEVER:  # the fix in flags stays out of `problem`: train.yml words it in extra-vars
             flag = "--" + name.replace("_", "-")
-            raise flag_problem(name, getattr(cfg, name), f"must be -1 (never), 0 (only at the end) or a number of "
-                                                         f"steps; fix: {flag} -1 to turn it off")
+            problem = "must be -1 (never), 0 (only at the end) or a number of steps"
+            raise ConfigError(f"{flag}={value}: {problem}; fix: {flag} -1 to turn it off", name, value, problem)
     for name in ("checkpoint_every", "checksum_every"):  # a run is always checkpointed at its end
         if getattr(cfg, name) < 0:
             raise flag_problem(name, getattr(cfg, name), "must be >= 0")

@@ -87,6 +87,7 @@ def test_minus_one_is_never_and_below_it_is_refused_naming_the_flag(flag: str) -
     assert str(refused.value) == (f"--{flag}=-2: must be -1 (never), 0 (only at the end) or a number of steps; "
                                   f"fix: --{flag} -1 to turn it off")
     assert refused.value.field == flag.replace("-", "_")
+    assert refused.value.problem == "must be -1 (never), 0 (only at the end) or a number of steps"
 
 
 @pytest.mark.parametrize("name", ["checkpoint_every", "checksum_every"])
@@ -102,7 +103,9 @@ def test_the_run_role_passes_minus_one_through(tmp_path) -> None:
     assert "--eval-every -1 " in args and "--sample-every -1 " in args, args
     res = run_validate_on_localhost(tmp_path, {}, "-e", "eval_every=-2")
     assert res.returncode != 0
-    assert "eval_every=-2 must be -1 (never), 0 (only at the end) or a number of steps" in " ".join(res.stdout.split())
+    said = " ".join(res.stdout.split())
+    assert "eval_every=-2 must be -1 (never), 0 (only at the end) or a number of steps (" in said, said
+    assert "pass e.g. -e eval_every=100" in said and "--eval-every" not in said, said
 
 
 # ---- a real run --------------------------------------------------------------------------------
