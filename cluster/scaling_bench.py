@@ -58,7 +58,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 VENV = "/opt/nanochat/venv/bin/python"
 STATE = "/var/lib/nanochat"
-STEP = re.compile(r"step (\d+)/\d+ loss=.*?dt_ms=(\d+) tok_per_s=(\d+).*?"  # rank 0's line, not rank_loss=
+# rank 0's line, not rank_loss=
+STEP = re.compile(r"step (\d+)/\d+ (?:\([0-9.]+%\) )?loss=.*?dt_ms=(\d+) tok_per_s=(\d+).*?"
                   r"compute_ms=(\d+) optim_ms=(\d+) comm_wait_ms=(\d+)")
 OUTER = re.compile(r"outer step \d+ at step (\d+)\b(?:.*?sync_s=([0-9.]+))?")  # loose: the format may grow
 AUTO = re.compile(r"sync-every auto: H=(\d+)")

@@ -106,9 +106,11 @@ class TrainConfig:
                                                            "(1 with momentum 0: the nodes' token-weighted average)"})
     outer_momentum: float = field(default=0.0, metadata={"help": "outer Nesterov momentum, in [0, 1)"})
     # evaluation, logging, checkpoints
-    eval_every: int = field(default=100, metadata={"help": "steps between val bpb evaluations (0 = only at end)"})
+    eval_every: int = field(default=100, metadata={"help": "steps between val bpb evaluations (0 = only at the end, "
+                                                           "-1 = never)"})
     eval_tokens: int = field(default=16384, metadata={"help": "validation tokens per evaluation"})
-    sample_every: int = field(default=100, metadata={"help": "steps between samples from the model (0 = never)"})
+    sample_every: int = field(default=100, metadata={"help": "steps between samples from the model (0 = only at the "
+                                                             "end, -1 = never)"})
     checkpoint_every: int = field(default=50, metadata={"help": "steps between checkpoints (0 = only at end)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "complete checkpoints to keep (at least 2: a "
                                                            "node that dies while one is sealed leaves the other)"})
@@ -206,6 +208,7 @@ UPPER_BOUNDS: dict[str, tuple[float, str]] = {
 MAX_SYNC_EVERY = (10_000, "DiLoCo's published H is 30 to 100 and auto stops at 100; more lets the nodes drift "
                           "apart for hours")
 MIN_HEAD_DIM = 8
+NEVER = -1  # --eval-every / --sample-every: not even at the end (nanochat's base_train convention)
 MAX_MODEL_DIM = 8192  # 8192 wide at depth 64: 50 B parameters
 MIN_MODEL_DIM = 32  # the value-embedding gate reads the first 32 channels (model.VE_GATE_CHANNELS)
 
@@ -225,7 +228,13 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     if cfg.keep_checkpoints < 2:
         raise flag_problem("keep_checkpoints", cfg.keep_checkpoints, "must be at least 2 (while one is being "
                                                                       "sealed, the one before is the fallback)")
-    for name in ("eval_every", "sample_every", "checkpoint_every", "checksum_every"):
+    for name in ("eval_every", "sample_every"):
+        value = getattr(cfg, name)
+        if value < NEVER:  # the fix in flags stays out of `problem`: train.yml words it in extra-vars
+            flag = "--" + name.replace("_", "-")
+            problem = "must be -1 (never), 0 (only at the end) or a number of steps"
+            raise ConfigError(f"{flag}={value}: {problem}; fix: {flag} -1 to turn it off", name, value, problem)
+    for name in ("checkpoint_every", "checksum_every"):  # a run is always checkpointed at its end
         if getattr(cfg, name) < 0:
             raise flag_problem(name, getattr(cfg, name), "must be >= 0")
     for f in dataclasses.fields(cfg):  # nan/inf pass every comparison below: reject them first

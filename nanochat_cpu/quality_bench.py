@@ -54,7 +54,7 @@ from .config import nearest_valid_totals
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 4096  # the cluster's (roles/dataset), so the bpb compare with its runs
 EVAL = re.compile(r"\] eval step (\d+) val_bpb=([0-9.]+)")
-STEP_DT = re.compile(r"\] step \d+/\d+ loss=.*?dt_ms=(\d+)")  # rank 0's step line, not rank_loss=
+STEP_DT = re.compile(r"\] step \d+/\d+ (?:\([0-9.]+%\) )?loss=.*?dt_ms=(\d+)")  # rank 0's step line, not rank_loss=
 AUTO = re.compile(r"sync-every auto: H=(\d+)")
 OUTER = re.compile(r"outer step \d+ at step \d+")
 

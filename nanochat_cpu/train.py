@@ -29,6 +29,7 @@ import torch.distributed as dist
 
 from . import __version__, checkpoint, fingerprint
 from .config import (
+    NEVER,
     ConfigError,
     TrainConfig,
     config_hash,
@@ -56,6 +57,7 @@ from .dist import (
 from .model import GPT, flops_per_token, model_config_from, parameter_breakdown
 from .optim import MuonAdamW, build_optimizer
 from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib, reuse_freed_memory, sync
+from .progress import Progress, StepClock
 from .shm import make_arena
 from .stop import GracefulStop
 from .sync_diloco import AUTO_FIRST_PHASE, DiLoCo, Nodes, OuterSchedule, choose_sync_every, find_nodes, node_token_share
@@ -351,20 +353,21 @@ def accumulate_gradients(cfg: TrainConfig, env: DistEnv, train_model, loader: To
     return loss_sum
 
 
-def log_step(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int, train_loss: float, mult: float,
+def log_step(cfg: TrainConfig, env: DistEnv, tracker: Tracker, progress: Progress, train_loss: float, mult: float,
              dt: float, t_compute: float, comm_wait: float, fpt: int, peak: float) -> None:
     tok_per_s = cfg.total_batch_size / dt
     mfu = 100 * fpt * tok_per_s / (peak * env.world_size)
     timing = (f"dt_ms={dt * 1000:.0f} tok_per_s={tok_per_s:.0f} mfu={mfu:.1f} "
               f"compute_ms={t_compute * 1000:.0f} optim_ms={(dt - t_compute) * 1000:.0f} "
-              f"comm_wait_ms={comm_wait * 1000:.0f}")
+              f"comm_wait_ms={comm_wait * 1000:.0f} {progress.line_tail()}")
     if env.master:
-        log(env, f"step {step:05d}/{cfg.num_iterations:05d} loss={train_loss:.4f} lrm={mult:.3f} {timing}")
+        log(env, f"{progress.line_head()} loss={train_loss:.4f} lrm={mult:.3f} {timing}")
     else:  # every node's journal shows its own ranks' progress; rank_loss: this rank's batch only
-        log(env, f"step {step:05d}/{cfg.num_iterations:05d} rank_loss={train_loss:.4f} {timing}")
+        log(env, f"{progress.line_head()} rank_loss={train_loss:.4f} {timing}")
     tracker.log_metrics({"train_loss": train_loss, "tok_per_s": tok_per_s, "mfu": mfu, "lr_mult": mult,
                          "step_ms": dt * 1000, "compute_ms": t_compute * 1000,
-                         "comm_wait_ms": comm_wait * 1000}, step)
+                         "comm_wait_ms": comm_wait * 1000, "elapsed_s": progress.elapsed_s,
+                         "eta_s": progress.eta_s}, progress.step)
 
 
 def log_sample(env: DistEnv, model: GPT, tokenizer: Tokenizer, step: int) -> None:
@@ -483,6 +486,7 @@ def run(cfg: TrainConfig) -> int:
     if start_step == 0 and env.distributed:
         check_parameters_agree(env, model, 0, watchdog)
     stopping = stop.agreed(step, watchdog)  # SIGTERM while the run was being set up
+    clock = StepClock(cfg.num_iterations, time.perf_counter())  # this process's steps only, also when resumed
     while step < cfg.num_iterations and not stopping:
         t0 = time.perf_counter()
         loss_sum = accumulate_gradients(cfg, env, train_model, loader, opt, ctx, accum, loss_scale, step)
@@ -511,7 +515,8 @@ def run(cfg: TrainConfig) -> int:
         dt = time.perf_counter() - t0
         phase.add(t_compute, comm_wait, dt)
         train_loss = loss_sum.item() / accum
-        log_step(cfg, env, tracker, step, train_loss, mult, dt, t_compute, comm_wait, fpt, peak)
+        progress = clock.lap(step, time.perf_counter(), schedule.every or 1)
+        log_step(cfg, env, tracker, progress, train_loss, mult, dt, t_compute, comm_wait, fpt, peak)
         if not math.isfinite(train_loss):
             fail(env, EXIT_MISMATCH, f"loss is {train_loss} at step {step}: training diverged "
                                      f"(lower --matrix-lr/--embedding-lr or resume from an earlier checkpoint)")
@@ -526,12 +531,12 @@ def run(cfg: TrainConfig) -> int:
         if env.distributed and (step == schedule.first or diloco is not None or schedule.due(cfg.checksum_every, step)
                                 or last):
             check_parameters_agree(env, model, step, watchdog)
-        if schedule.due(cfg.eval_every, step) or last:
+        if cfg.eval_every != NEVER and (schedule.due(cfg.eval_every, step) or last):
             bpb = evaluate_bpb(model, cfg, env, tokenizer, token_bytes, ctx, watchdog, step)
             if env.master:
                 log(env, f"eval step {step:05d} val_bpb={bpb:.4f}")
             tracker.log_metrics({"val_bpb": bpb}, step)
-        if env.master and (schedule.due(cfg.sample_every, step) or last):
+        if env.master and cfg.sample_every != NEVER and (schedule.due(cfg.sample_every, step) or last):
             log_sample(env, model, tokenizer, step)
         if schedule.due(cfg.checkpoint_every, step) or last or stopping:
             extra = {"mlflow_run_id": tracker.run_id, "rank_batch_sizes": sizes, "tokenizer_sha256": tokenizer_sha,

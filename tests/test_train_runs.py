@@ -19,7 +19,7 @@ import pytest
 from nanochat_cpu.dist import EXIT_MISMATCH
 from tests.torchrun_helpers import REPO, free_port, kill_tree, node_env, run_torchrun, spawn_node, torchrun_cmd
 
-STEP_LINE = re.compile(r"step (\d+)/\d+ loss=([0-9.]+)")
+STEP_LINE = re.compile(r"step (\d+)/\d+ \([0-9.]+%\) loss=([0-9.]+)")
 
 
 def tiny_flags(data: Path, tok: Path, out: Path, **over) -> list[str]:
@@ -79,7 +79,8 @@ def test_two_ranks_train_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_
     assert sorted(full) == list(range(1, 13))
     assert "fingerprint agreed across 2 rank(s)" in first.stdout
     # every rank shows its own progress, one line a step (docs/FAILURES.md row 14), apart from rank 0's
-    rank1 = re.findall(r"rank 1/2\] step (\d+)/00012 rank_loss=[0-9.]+ dt_ms=\d+ tok_per_s=\d+", first.stdout)
+    rank1 = re.findall(r"rank 1/2\] step (\d+)/00012 \([0-9.]+%\) rank_loss=[0-9.]+ dt_ms=\d+ tok_per_s=\d+",
+                       first.stdout)
     assert [int(s) for s in rank1] == list(range(1, 13))
     # the parameter breakdown and the FLOPs behind MFU, once, from rank 0 (docs/FAILURES.md row 18)
     assert len(re.findall(r"rank 0/2\] parameters: matrix=[\d,]+, embedding=[\d,]+, value_embedding=[\d,]+, "

@@ -23,7 +23,7 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 # a worker's command line, as the launcher (torchrun's agent) starts it with its own interpreter
 TRAINER = "python3? -u -m nanochat_cpu.train"
-STEP = re.compile(r"\] step (\d+)/(\d+) loss=([0-9.]+|nan|inf)")
+STEP = re.compile(r"\] step (\d+)/(\d+) (?:\([0-9.]+%\) )?loss=([0-9.]+|nan|inf)")
 
 Journal = list[tuple[float, str]]
 T = TypeVar("T")
