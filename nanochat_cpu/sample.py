@@ -50,6 +50,8 @@ class SampleConfig:
     device: str = field(default="cpu", metadata={"choices": ("cpu", "cuda"), "help": "device to sample on"})
     dtype: str = field(default="float32", metadata={"choices": ("float32", "bfloat16"),
                                                     "help": "weights' dtype while sampling"})
+    threads: int = field(default=0, metadata={"help": "CPU threads; 0 = torch's default (every core): on a node "
+                                                      "that is training, 1 or 2 leave the run its cores"})
     kv_cache: str = field(default="on", metadata={"choices": ("on", "off"),
                                                   "help": "off: re-read the whole context every token (the "
                                                           "reference the cache is tested against; same tokens)"})
@@ -73,6 +75,8 @@ def validate(cfg: SampleConfig) -> None:
         raise SampleError(f"--temperature={cfg.temperature}: must be >= 0 (0 = greedy)")
     if cfg.top_k < 0:
         raise SampleError(f"--top-k={cfg.top_k}: must be >= 0 (0 = all tokens)")
+    if cfg.threads < 0:
+        raise SampleError(f"--threads={cfg.threads}: must be >= 0 (0 = torch's default)")
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise SampleError("--device=cuda: torch sees no CUDA device here; fix: --device cpu")
 
@@ -210,8 +214,8 @@ def header(cfg: SampleConfig, loaded: Loaded) -> str:
     return (f"checkpoint step {loaded.step} ({step_dir(cfg.out_dir, loaded.step)}) | {params:,} parameters: depth "
             f"{mcfg.n_layer}, width {mcfg.n_embd}, heads {mcfg.n_head}, seq_len {mcfg.seq_len}, windows "
             f"{model.windows}, vocab {mcfg.vocab_size} | tokenizer sha256 {loaded.tokenizer.content_hash()[:16]} | "
-            f"{cfg.device} {cfg.dtype}, kv cache {cfg.kv_cache} | temperature {cfg.temperature} top-k {cfg.top_k} "
-            f"seed {cfg.seed}")
+            f"{cfg.device} {cfg.dtype}, threads {torch.get_num_threads()}, kv cache {cfg.kv_cache} | temperature "
+            f"{cfg.temperature} top-k {cfg.top_k} seed {cfg.seed}")
 
 
 def speed(tokens: int, seconds: float) -> str:
@@ -220,6 +224,8 @@ def speed(tokens: int, seconds: float) -> str:
 
 def run(cfg: SampleConfig) -> int:
     validate(cfg)
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     loaded = load(cfg)
     print(header(cfg, loaded), file=sys.stderr)
     if not cfg.interactive:
