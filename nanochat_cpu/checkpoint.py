@@ -6,7 +6,9 @@ Layout under `<out_dir>/checkpoints/step_000100/`, on every node's disk:
                             rank r of the world that wrote it (all of them, on every disk)
 - `COMPLETE`                written last, once every disk's write succeeded: the checkpoint is valid
                             only when this marker exists and lists the files present; it names the
-                            world that wrote it (world size, every rank's host and launcher)
+                            world that wrote it (world size, every rank's host and launcher), and the
+                            model's shape and tokenizer, so that `model.pt` and it alone are enough
+                            to sample from the model anywhere (sample.py)
 
 Every file is written to a temporary name and renamed, and the directories are fsynced, so an
 interrupted write (disk full, SIGKILL, power loss) leaves either the old file or the new one,
@@ -25,6 +27,7 @@ afresh silently over an old one.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
@@ -150,14 +153,15 @@ def mark_complete(out_dir: str, step: int, layout: dict, keep: int) -> None:
     prune(out_dir, keep, sealed=step)
 
 
-def read_marker(out_dir: str, step: int) -> dict | None:
-    """The COMPLETE marker of a step whose files are all present, else None. A marker without
-    `world_size` was sealed by an older version, which kept only its own node's ranks' files."""
+def read_marker(out_dir: str, step: int, needed: list[str] | None = None) -> dict | None:
+    """The COMPLETE marker of a step whose files are all present (or only those `needed`), else
+    None. A marker without `world_size` was sealed by an older version, which kept only its own
+    node's ranks' files; one without `model` by a version that did not record the model's shape."""
     d = step_dir(out_dir, step)
     try:
         with open(os.path.join(d, "COMPLETE")) as f:
             marker = json.load(f)
-        files = marker["files"]
+        files = marker["files"] if needed is None else needed
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if not all(os.path.exists(os.path.join(d, name)) for name in files):
@@ -300,7 +304,11 @@ def save_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, op
     # instead of a plain barrier: a full disk on one node stops every rank with its reason
     fail_together(env, disks, watchdog, "checkpoint", step, error)
     if disks.writer(env.rank):
-        mark_complete(cfg.out_dir, step, disks.layout(env.hosts or [env.host]), cfg.keep_checkpoints)
+        # the model's shape and its tokenizer: what sampling needs besides model.pt, wherever it is copied
+        sampling = {"model": dataclasses.asdict(model.cfg), "tokenizer_sha256": extra["tokenizer_sha256"],
+                    "tokenizer_dir": os.path.abspath(cfg.tokenizer_dir)}
+        mark_complete(cfg.out_dir, step, {**disks.layout(env.hosts or [env.host]), **sampling},
+                      cfg.keep_checkpoints)
     log(env, f"checkpoint step {step} saved to {step_dir(cfg.out_dir, step)} "
              f"in {time.perf_counter() - t0:.2f}s")
 

@@ -142,18 +142,27 @@ def flag_problem(name: str, value: object, problem: str) -> ConfigError:
     return ConfigError(f"--{name.replace('_', '-')}={value}: {problem}", name, value, problem)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def parser_for(spec: type, prog: str) -> argparse.ArgumentParser:
+    """A parser whose flags are the dataclass `spec`'s fields (`max_seq_len` is `--max-seq-len`);
+    a bool field is a switch that defaults to off."""
     # allow_abbrev=False: `--run` must never silently mean `--run-name` (docs/FAILURES.md row 10)
-    parser = argparse.ArgumentParser(prog="nanochat_cpu.train", allow_abbrev=False)
-    for f in dataclasses.fields(TrainConfig):
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False)
+    for f in dataclasses.fields(spec):
         flag = "--" + f.name.replace("_", "-")
         kwargs: dict[str, Any] = {"default": f.default, "help": f.metadata.get("help", "")}
         type_name = f.type if isinstance(f.type, str) else f.type.__name__
-        kwargs["type"] = {"int": int, "float": float, "str": str}[type_name]
+        if type_name == "bool":
+            kwargs["action"] = "store_true"
+        else:
+            kwargs["type"] = {"int": int, "float": float, "str": str}[type_name]
         if "choices" in f.metadata:
             kwargs["choices"] = f.metadata["choices"]
         parser.add_argument(flag, dest=f.name, **kwargs)
     return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    return parser_for(TrainConfig, "nanochat_cpu.train")
 
 
 def parse_config(argv: list[str] | None = None) -> TrainConfig:

@@ -9,11 +9,15 @@
 - logit soft-capping
 - per-layer sliding windows (pattern such as SSSL) done with SDPA on every device: the window
   is a boolean mask on CPU and CUDA alike, so a CPU run trains the same model a GPU run would.
+
+Generation (`GPT.stream`) keeps a KV cache: the prompt is prefilled once, then each new token is
+one position's forward over the cached keys and values of every layer.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -85,12 +89,15 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
 
 
-def window_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor | None:
-    """Boolean keep-mask for causal attention limited to `window` past tokens; None = plain causal."""
-    if window >= seq_len:
+def window_mask(seq_len: int, window: int, device: torch.device, start: int = 0) -> torch.Tensor | None:
+    """Boolean keep-mask for causal attention limited to `window` past tokens, for the queries at
+    positions start .. start + seq_len - 1 over the keys at 0 .. start + seq_len - 1 (start > 0:
+    generation continuing from a KV cache); None = plain causal from position 0."""
+    end = start + seq_len
+    if start == 0 and window >= seq_len:
         return None
-    i = torch.arange(seq_len, device=device)[:, None]
-    j = torch.arange(seq_len, device=device)[None, :]
+    i = torch.arange(start, end, device=device)[:, None]
+    j = torch.arange(end, device=device)[None, :]
     return (j <= i) & (i - j < window)
 
 
@@ -109,7 +116,7 @@ class Attention(nn.Module):
         self.ve_gate = nn.Linear(VE_GATE_CHANNELS, cfg.n_head, bias=False) if has_value_embedding(
             layer, cfg.n_layer) else None
 
-    def forward(self, x, ve, cos, sin, mask):
+    def forward(self, x, ve, cos, sin, mask, kv=None, start=0):
         B, T, _ = x.shape
         q = linear(x, self.c_q.weight).view(B, T, self.n_head, self.head_dim)
         k = linear(x, self.c_k.weight).view(B, T, self.n_head, self.head_dim)
@@ -121,6 +128,10 @@ class Attention(nn.Module):
             v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_head, self.head_dim)
         q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        if kv is not None:  # generation: these positions' keys and values join the cached ones before them
+            end = start + T
+            kv[0][:, :, start:end], kv[1][:, :, start:end] = k, v
+            k, v = kv[0][:, :, :end], kv[1][:, :, :end]
         if mask is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         else:
@@ -144,9 +155,37 @@ class Block(nn.Module):
         self.attn = Attention(cfg, layer)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, ve, cos, sin, mask):
-        x = x + self.attn(norm(x), ve, cos, sin, mask)
+    def forward(self, x, ve, cos, sin, mask, kv=None, start=0):
+        x = x + self.attn(norm(x), ve, cos, sin, mask, kv, start)
         return x + self.mlp(norm(x))
+
+
+class KVCache:
+    """Generation's memory: per layer, the keys (after rotary and QK-norm) and values of the first
+    `pos` positions of the context, with room for the model's whole context (seq_len)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, dtype: torch.dtype):
+        shape = (1, cfg.n_head, cfg.seq_len, cfg.head_dim)
+        self.layers = [(torch.zeros(shape, device=device, dtype=dtype), torch.zeros(shape, device=device, dtype=dtype))
+                       for _ in range(cfg.n_layer)]
+        self.pos = 0
+
+
+def kept_context(seq_len: int) -> int:
+    """Tokens the context keeps when a new one would overflow it: the newest half."""
+    return max(1, seq_len // 2)
+
+
+def sample_token(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
+    """The next token from one position's logits: the likeliest at temperature 0, else drawn from
+    the softmax of logits / temperature over the top_k likeliest (0: over all)."""
+    if temperature <= 0:
+        return int(logits.argmax())
+    ids = None
+    if top_k > 0:
+        logits, ids = torch.topk(logits, min(top_k, logits.numel()))
+    choice = int(torch.multinomial(F.softmax(logits / temperature, -1), 1, generator=gen))
+    return choice if ids is None else int(ids[choice])
 
 
 class GPT(nn.Module):
@@ -198,39 +237,69 @@ class GPT(nn.Module):
         sparse = torch.is_grad_enabled() and not torch.compiler.is_compiling()
         return F.embedding(idx, table.weight, sparse=sparse)
 
-    def masks(self, T: int, device: torch.device) -> dict[int, torch.Tensor | None]:
-        return {w: window_mask(T, w, device) for w in set(self.windows)}
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
-                reduction: str = "mean") -> torch.Tensor:
+    def hidden(self, idx: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """The residual stream after the last block, normed. With a cache, idx continues the
+        cache's `pos` positions, whose keys and values it reuses, and its own join them."""
         B, T = idx.shape
-        cos, sin = self.cos[:, :T].to(self.wte.weight.dtype), self.sin[:, :T].to(self.wte.weight.dtype)
-        masks = self.masks(T, idx.device)
+        start = cache.pos if cache is not None else 0
+        dtype = self.wte.weight.dtype
+        cos, sin = self.cos[:, start:start + T].to(dtype), self.sin[:, start:start + T].to(dtype)
+        masks = {w: window_mask(T, w, idx.device, start) for w in set(self.windows)}
         x = x0 = norm(self.embed(self.wte, idx))
         for i, block in enumerate(self.blocks):
             x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             ve = self.embed(self.value_embeds[str(i)], idx) if str(i) in self.value_embeds else None
-            x = block(x, ve, cos, sin, masks[self.windows[i]])
-        x = norm(x)
+            kv = cache.layers[i] if cache is not None else None
+            x = block(x, ve, cos, sin, masks[self.windows[i]], kv, start)
+        if cache is not None:
+            cache.pos += T
+        return norm(x)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        head = self.lm_head.weight[: self.cfg.vocab_size]  # padded rows never score
+        return LOGIT_SOFTCAP * torch.tanh((x @ head.t()).float() / LOGIT_SOFTCAP)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None,
+                reduction: str = "mean") -> torch.Tensor:
+        x = self.hidden(idx)
         if targets is None:
-            head = self.lm_head.weight[: self.cfg.vocab_size]  # padded rows never score
-            return LOGIT_SOFTCAP * torch.tanh((x @ head.t()).float() / LOGIT_SOFTCAP)
+            return self.logits(x)
         return softcapped_cross_entropy(x.reshape(-1, x.size(-1)), self.lm_head.weight, targets.reshape(-1),
                                         LOGIT_SOFTCAP, reduction, vocab=self.cfg.vocab_size)
 
     @torch.no_grad()
-    def generate(self, prompt: list[int], max_tokens: int, temperature: float = 0.0, seed: int = 0) -> list[int]:
-        """Plain autoregressive sampling without a KV cache: samples are short and rare."""
-        gen = torch.Generator(device=self.wte.weight.device).manual_seed(seed)
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.wte.weight.device)
+    def stream(self, prompt: Sequence[int], max_tokens: int, temperature: float = 0.0, top_k: int = 0,
+               seed: int = 0, kv_cache: bool = True) -> Iterator[int]:
+        """Sampled token ids, one at a time (see sample_token; `seed` seeds the draws).
+
+        The context rule, the same with the KV cache and without it, so both give the same tokens:
+        the model reads at most seq_len tokens; a longer prompt keeps its newest seq_len; when a new
+        token would overflow the context, the context is cut to its newest half (kept_context) and
+        read anew from position 0, as every training row starts at position 0. The cache is then
+        prefilled again: one forward over seq_len / 2 tokens per seq_len / 2 new ones, where sliding
+        the context by one token would re-read the whole context (rotary positions shift) every token.
+        """
+        if not prompt:
+            raise ValueError("generation needs a prompt of at least one token (BOS)")
+        device = self.wte.weight.device
+        gen = torch.Generator(device=device).manual_seed(seed)
+        seq_len = self.cfg.seq_len
+        context = list(prompt[-seq_len:])
+        cache = KVCache(self.cfg, device, self.wte.weight.dtype) if kv_cache else None
         for _ in range(max_tokens):
-            logits = self(ids[:, -self.cfg.seq_len:])[:, -1, :]
-            if temperature <= 0:
-                nxt = logits.argmax(-1, keepdim=True)
-            else:
-                nxt = torch.multinomial(F.softmax(logits / temperature, -1), 1, generator=gen)
-            ids = torch.cat([ids, nxt], dim=1)
-        return ids[0, len(prompt):].tolist()
+            unread = context[cache.pos:] if cache is not None else context
+            x = self.hidden(torch.tensor([unread], dtype=torch.long, device=device), cache)
+            token = sample_token(self.logits(x[0, -1]), temperature, top_k, gen)
+            yield token
+            context.append(token)
+            if len(context) > seq_len:
+                context = context[-kept_context(seq_len):]
+                if cache is not None:
+                    cache.pos = 0
+
+    def generate(self, prompt: Sequence[int], max_tokens: int, temperature: float = 0.0, seed: int = 0,
+                 top_k: int = 0, kv_cache: bool = True) -> list[int]:
+        return list(self.stream(prompt, max_tokens, temperature, top_k, seed, kv_cache))
 
 
 def parameter_groups(model: GPT) -> dict[str, list[nn.Parameter]]:
