@@ -93,7 +93,7 @@ def verdict(est: Estimate, timings: list[RankTiming], total_tokens: int, unit: i
     head = (f"cluster {est.cluster_tok_per_s:,.0f} tok/s with {len(timings)} ranks = {est.vs_fastest:.2f}x what "
             f"{who} (~{est.alone_tok_per_s[est.fastest]:,.0f} tok/s, est.)")
     if est.vs_fastest >= 1:
-        return False, head
+        return False, f"FASTER THAN ONE NODE: {head}"
     compute = max(t.compute_s for t in timings)
     wait = max(t.wait_s for t in timings)
     fixes = []

@@ -526,7 +526,7 @@ def run(cfg: TrainConfig) -> int:
         last = step == cfg.num_iterations
         if env.distributed and (schedule.due(10, step) or last):
             said_speed = log_rank_timings(cfg, env, tracker, step, sizes, accum, *phase.per_step(), watchdog,
-                                          said_speed, local_steps=diloco is not None)
+                                          said_speed, local_steps=diloco is not None, last=last)
         phase = PhaseTimes()
         if env.distributed and (step == schedule.first or diloco is not None or schedule.due(cfg.checksum_every, step)
                                 or last):

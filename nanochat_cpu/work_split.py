@@ -110,10 +110,11 @@ def choose_split(cfg: TrainConfig, env: DistEnv, model: GPT, ctx, watchdog: Watc
 
 def log_rank_timings(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int, sizes: list[int],
                      accum: int, compute_s: float, wait_s: float, step_s: float, watchdog: Watchdog,
-                     said_speed: bool, local_steps: bool = False) -> bool:
+                     said_speed: bool, local_steps: bool = False, last: bool = False) -> bool:
     """Who computed how long and who waited: the numbers behind the work split. And whether the
     cluster is any faster than its fastest node would be alone: said at the first timing step
-    (returns True once said), loudly if it is not. The times are one step's (with local steps:
+    (returns True once said), loudly if it is not, and again at the last step (`at the end:`),
+    from the warmed-up timings the run's summary reports. The times are one step's (with local steps:
     the means over the inner phase that just ended, its outer sync included)."""
     mine = torch.tensor([compute_s, wait_s, step_s], dtype=torch.float64, device=env.device)
     everyone = [torch.zeros_like(mine) for _ in range(env.world_size)]
@@ -131,6 +132,8 @@ def log_rank_timings(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int
     slower, line = throughput.verdict(est, timings, cfg.total_batch_size, sum(sizes) * cfg.max_seq_len, local_steps)
     if not said_speed:
         log(env, line)
+    elif last:
+        log(env, f"at the end: {line}")
     tracker.log_metrics({**{f"{k}_ms_rank{r}": float(t[i]) * 1000 for r, t in enumerate(everyone)
                             for i, k in enumerate(("compute", "comm_wait"))},
                          "vs_fastest_node_est": est.vs_fastest, "slower_than_one_node": float(slower)}, step)

@@ -39,7 +39,7 @@ def test_fast_link_is_reported_as_a_gain():
     assert est.vs_fastest == pytest.approx(2.56, abs=0.01)  # a rank computes a bit slower inside the cluster
     assert est.break_even_tokens == 0  # the cluster wins at any batch
     slower, line = verdict(est, timings, TOKENS, UNIT)
-    assert not slower and line.startswith("cluster 4,452 tok/s with 3 ranks = 2.56x what rank 0")
+    assert not slower and line.startswith("FASTER THAN ONE NODE: cluster 4,452 tok/s with 3 ranks = 2.56x what rank 0")
 
 
 def test_a_slow_rank_on_an_even_split_can_never_break_even():
