@@ -77,7 +77,7 @@ lint: venv
 	yamllint -s .
 	ansible-lint
 
-test: root host pytest molecule  # host first: pytest's corpus test needs the fortunes package
+test: root host pytest molecule  # host first: pytest needs the fortunes and chromium packages
 
 pytest: venv
 	pytest

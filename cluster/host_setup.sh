@@ -2,7 +2,8 @@
 # Idempotent host set-up for the local podman cluster (Debian 12+/Ubuntu 24.04+, run as root).
 #
 #  * installs podman, runc, netavark, aardvark-dns, iptables, debootstrap, iproute2 when missing,
-#    and fortunes (the demo corpus the controller builds: real English text, offline);
+#    fortunes (the demo corpus the controller builds: real English text, offline) and chromium
+#    (the headless browser pytest opens the MLflow UI in: tests/test_mlflow_ui.py);
 #    iptables because Debian 12's netavark sets up the bridge with it but does not depend on it:
 #    without it every container start fails with "netavark: No such file or directory";
 #  * writes /etc/containers/containers.conf.d/50-nanochat.conf:
@@ -20,7 +21,10 @@ if [[ $(id -u) -ne 0 ]]; then
     exit 1
 fi
 
-PACKAGES=(podman runc netavark aardvark-dns iptables debootstrap iproute2 fortunes)
+# Debian packages the browser as chromium; Ubuntu as chromium-browser (an apt package that installs the snap)
+BROWSER=chromium
+grep -qx 'ID=ubuntu' /etc/os-release && BROWSER=chromium-browser
+PACKAGES=(podman runc netavark aardvark-dns iptables debootstrap iproute2 fortunes "$BROWSER")
 missing=()
 for p in "${PACKAGES[@]}"; do
     if dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q '^install ok installed$'; then

@@ -1,0 +1,194 @@
+"""The curves a user opens: the MLflow UI the demo prints (`mlflow ui --backend-store-uri sqlite:///...`),
+over the store of a short real training run, in a real headless Chromium. The page is reached the way a
+person clicks to it (home, Model training, the experiment, the run, Model metrics) and the charts are
+read from what the browser rendered: the SVG markers of each curve and the pixels of the screenshot.
+
+The browser is the system's chromium (`make setup` installs it: cluster/host_setup.sh), driven by
+playwright from the venv; set NANOCHAT_UI_SCREENSHOT_DIR to keep the screenshot where a person can look.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from io import BytesIO
+from pathlib import Path
+
+import numpy as np
+import pytest
+from mlflow.entities import Metric
+from mlflow.tracking import MlflowClient
+from PIL import Image
+
+from nanochat_cpu.tracking import EXPERIMENT
+from tests.test_train_runs import tiny_flags, train_target
+from tests.torchrun_helpers import REPO, free_port, kill_tree, node_env
+
+STEPS = 6
+EVAL_EVERY = 2  # val_bpb at steps 2, 4 and 6: a curve, not a dot
+UI_TIMEOUT_MS = 60_000  # the UI's first load parses megabytes of JavaScript: slow on 2 busy cores
+NOT_LOGGED = "outer_sync_s"  # logged with local steps only; this run syncs every step
+# MLflow sends usage telemetry unless told not to: no calls out of a test machine that may have no internet
+NO_TELEMETRY = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
+FIX = "install it with `make setup` (cluster/host_setup.sh installs chromium, requirements-dev.txt playwright)"
+
+
+# ---- a real run, its store and the UI over it ----------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def store(tiny_data_dir: Path, tiny_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The sqlite store a short single-process training run logged to."""
+    out = tmp_path_factory.mktemp("ui_run")
+    uri = "sqlite:///" + str(out / "mlflow.db")
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, out, tracking_uri=uri, num_iterations=STEPS,
+                       eval_every=EVAL_EVERY, checkpoint_every=0)
+    proc = subprocess.run([sys.executable, *train_target(*flags)], env={**node_env(), **NO_TELEMETRY},
+                          capture_output=True, text=True, timeout=180, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return uri
+
+
+@pytest.fixture(scope="module")
+def ui_url(store: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """`mlflow ui` as the demo prints it, on a free loopback port, one worker (two cores)."""
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("ui_server") / "mlflow-ui.log"
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", store, "--host", "127.0.0.1",
+           "--port", str(port), "--workers", "1"]
+    with open(log_path, "w") as log_file:
+        server = subprocess.Popen(cmd, env={**os.environ, **NO_TELEMETRY}, stdout=log_file,
+                                  stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, server, log_path)
+        yield url
+    finally:
+        kill_tree(server.pid, signal.SIGKILL)  # uvicorn's graceful stop waits seconds for idle connections
+        server.wait(timeout=30)
+
+
+def wait_healthy(url: str, server: subprocess.Popen, log_path: Path, seconds: float = 90) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        assert server.poll() is None, f"mlflow ui exited {server.returncode}:\n{log_path.read_text()}"
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as answer:
+                if answer.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.3)
+    raise AssertionError(f"mlflow ui did not answer /health within {seconds:.0f} s:\n{log_path.read_text()}")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """Headless system chromium under playwright: missing either fails (before the run is made), naming the fix."""
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError as exc:
+        raise AssertionError(f"playwright is not installed: {FIX}") from exc
+    executable = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert executable, f"no chromium on PATH: {FIX}"
+    with sync_playwright() as driver:
+        launched = driver.chromium.launch(executable_path=executable)
+        yield launched
+        launched.close()
+
+
+@pytest.fixture(scope="module")
+def metrics_page(browser, ui_url: str):
+    """The run's Model metrics tab, reached by clicking as a user does."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    page.set_default_timeout(UI_TIMEOUT_MS)
+    page.goto(ui_url)
+    page.get_by_text("Model training", exact=True).click()  # the home page opens on GenAI
+    page.get_by_role("link", name=EXPERIMENT, exact=True).first.click()
+    page.get_by_role("link", name="test", exact=True).click()  # the run, by its --run-name
+    page.get_by_role("tab", name="Model metrics").click()
+    return page
+
+
+# ---- reading a chart off the rendered page -------------------------------------------------------------
+
+def chart(page, metric: str):
+    """The chart card titled `metric`; fails at once when the page has none."""
+    title = page.get_by_role("heading", name=metric, exact=True)
+    card = page.get_by_test_id("experiment-view-compare-runs-card").filter(has=title)
+    assert card.count() == 1, f"the run's Model metrics tab has no chart for {metric}"
+    return card
+
+
+def assert_chart_draws(page, metric: str, history: list[Metric]) -> None:
+    """The chart of `metric` draws exactly `history`: one marker per logged step, placed linearly in
+    (step, value) with the higher value higher up, and painted: at least as many pixels of the curve's
+    colour in the browser's screenshot of the plot as its line is long."""
+    from playwright.sync_api import expect
+
+    card = chart(page, metric)
+    card.scroll_into_view_if_needed()
+    markers = card.locator(".scatterlayer .trace").first.locator(".point")
+    expect(markers).to_have_count(len(history), timeout=UI_TIMEOUT_MS)  # waits for plotly to draw
+    centres = np.array(markers.evaluate_all(
+        "ps => ps.map(p => { const b = p.getBoundingClientRect(); return [b.x + b.width / 2, b.y + b.height / 2]; })"))
+    steps = np.array([m.step for m in history], float)
+    values = np.array([m.value for m in history])
+    for pixels, data, axis in ((centres[:, 0], steps, "x"), (centres[:, 1], values, "y")):
+        slope, offset = np.polyfit(data, pixels, 1)
+        off_by = np.abs(slope * data + offset - pixels).max()
+        assert off_by < 1.5, f"{metric}: markers are {off_by:.1f} px off a linear {axis} axis of the logged values"
+        assert (slope > 0) if axis == "x" else (slope < 0), f"{metric}: {axis} axis runs the wrong way"
+    colour = markers.first.evaluate("p => getComputedStyle(p).fill")  # 'rgb(34, 114, 180)'
+    painted = painted_pixels(card.locator(".js-plotly-plot").screenshot(), colour)  # the legend is outside it
+    line_px = np.linalg.norm(np.diff(centres, axis=0), axis=1).sum()
+    assert painted >= line_px, f"{metric}: {painted} px of the curve's colour {colour} on the screen, " \
+                               f"fewer than its line is long ({line_px:.0f} px): not drawn"
+
+
+def painted_pixels(png: bytes, css_rgb: str) -> int:
+    """Pixels within a few levels of a CSS rgb() colour: the markers and line of a curve."""
+    want = np.array([int(c) for c in css_rgb[css_rgb.index("(") + 1:-1].split(",")[:3]])
+    rgb = np.asarray(Image.open(BytesIO(png)).convert("RGB"), dtype=int)
+    return int((np.abs(rgb - want).max(axis=2) <= 8).sum())
+
+
+def history(store: str, metric: str) -> list[Metric]:
+    """What the run logged of `metric`, by step."""
+    client = MlflowClient(tracking_uri=store)
+    [run] = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id])
+    return sorted(client.get_metric_history(run.info.run_id, metric), key=lambda m: m.step)
+
+
+# ---- the checks ----------------------------------------------------------------------------------------
+
+def test_the_run_page_draws_the_train_loss_and_val_bpb_curves(metrics_page, store, tmp_path):
+    train_loss, val_bpb = history(store, "train_loss"), history(store, "val_bpb")
+    assert len(train_loss) == STEPS and len(val_bpb) == STEPS // EVAL_EVERY
+    try:
+        assert_chart_draws(metrics_page, "train_loss", train_loss)
+        assert_chart_draws(metrics_page, "val_bpb", val_bpb)
+    finally:  # what the user would see, pass or fail
+        shot = tmp_path / "mlflow-run-model-metrics.png"
+        metrics_page.screenshot(path=str(shot))
+        if os.environ.get("NANOCHAT_UI_SCREENSHOT_DIR"):
+            keep = Path(os.environ["NANOCHAT_UI_SCREENSHOT_DIR"])
+            keep.mkdir(parents=True, exist_ok=True)
+            shutil.copy(shot, keep / shot.name)
+
+
+def test_a_chart_that_does_not_draw_the_run_fails_the_check(metrics_page, store):
+    """The check can fail: a metric this run never logged has no chart, and the train_loss chart does
+    not pass for the run's losses in reverse order (same steps, same count, other values)."""
+    train_loss = history(store, "train_loss")
+    assert_chart_draws(metrics_page, "train_loss", train_loss)  # the page is drawn: not a race
+    assert not history(store, NOT_LOGGED)
+    with pytest.raises(AssertionError, match=f"no chart for {NOT_LOGGED}"):
+        chart(metrics_page, NOT_LOGGED)
+    backwards = [Metric(m.key, r.value, m.timestamp, m.step) for m, r in zip(train_loss, train_loss[::-1], strict=True)]
+    with pytest.raises(AssertionError, match="px off a linear y axis|y axis runs the wrong way"):
+        assert_chart_draws(metrics_page, "train_loss", backwards)
