@@ -90,7 +90,10 @@ class Tracker:
             os.environ.setdefault(name, value)
         self.uri = cfg.tracking_uri or default_tracking_uri(cfg.out_dir)
         os.makedirs(cfg.out_dir, exist_ok=True)
-        self._jobs: deque[tuple[str, Any]] = deque([("start", (resume_run_id, cfg.run_name))])
+        # the run starts now, not when the store first answers (a new sqlite store takes seconds to
+        # create): MLflow's Duration column is the training's
+        started_ms = int(time.time() * 1000)
+        self._jobs: deque[tuple[str, Any]] = deque([("start", (resume_run_id, cfg.run_name, started_ms))])
         self._busy = True  # a job is being worked on, or waits for the worker to start
         self._cond = threading.Condition()
         self._wake = threading.Event()  # cuts a retry wait short (finish)
@@ -219,7 +222,7 @@ class Tracker:
         else:
             client.set_terminated(self._run_id, status=payload)
 
-    def _start(self, client: Any, resume_run_id: str | None, run_name: str) -> str:
+    def _start(self, client: Any, resume_run_id: str | None, run_name: str, started_ms: int) -> str:
         from mlflow.exceptions import MlflowException
         from mlflow.tracking.context.registry import resolve_tags
 
@@ -236,7 +239,7 @@ class Tracker:
                               f"starting a new run")
         experiment = client.get_experiment_by_name(EXPERIMENT)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(EXPERIMENT)
-        run = client.create_run(experiment_id, run_name=run_name, tags=resolve_tags())
+        run = client.create_run(experiment_id, start_time=started_ms, run_name=run_name, tags=resolve_tags())
         log(self.env, f"MLflow: run {run.info.run_id} {where}")
         return run.info.run_id
 

@@ -192,3 +192,13 @@ def test_a_chart_that_does_not_draw_the_run_fails_the_check(metrics_page, store)
     backwards = [Metric(m.key, r.value, m.timestamp, m.step) for m, r in zip(train_loss, train_loss[::-1], strict=True)]
     with pytest.raises(AssertionError, match="px off a linear y axis|y axis runs the wrong way"):
         assert_chart_draws(metrics_page, "train_loss", backwards)
+
+
+def test_the_run_starts_when_training_does(store):
+    """MLflow's Duration is the training's: the run's start is the trainer's, not the moment the new
+    sqlite store first answered (seconds later, near the end of a short run)."""
+    client = MlflowClient(tracking_uri=store)
+    [run] = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id])
+    first_step = min(m.timestamp for m in history(store, "train_loss"))
+    assert run.info.start_time <= first_step
+    assert run.info.end_time - run.info.start_time >= max(m.timestamp for m in history(store, "train_loss")) - first_step
