@@ -375,7 +375,7 @@ def log_sample(env: DistEnv, model: GPT, tokenizer: Tokenizer, step: int) -> Non
     prompt = "The"
     out = model.generate([tokenizer.bos_id] + tokenizer.encode(prompt), max_tokens=24)
     model.train()
-    log(env, f"sample step {step:05d}: {prompt}{tokenizer.decode(out)!r}")
+    log(env, f"sample step {step:05d}: {prompt + tokenizer.decode(out)!r}")  # quoted: one journal line
 
 
 @dataclass

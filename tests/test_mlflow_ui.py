@@ -199,6 +199,6 @@ def test_the_run_starts_when_training_does(store):
     sqlite store first answered (seconds later, near the end of a short run)."""
     client = MlflowClient(tracking_uri=store)
     [run] = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id])
-    first_step = min(m.timestamp for m in history(store, "train_loss"))
-    assert run.info.start_time <= first_step
-    assert run.info.end_time - run.info.start_time >= max(m.timestamp for m in history(store, "train_loss")) - first_step
+    steps = [m.timestamp for m in history(store, "train_loss")]
+    assert run.info.start_time <= min(steps)
+    assert run.info.end_time - run.info.start_time >= max(steps) - min(steps)

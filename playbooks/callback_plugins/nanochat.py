@@ -7,8 +7,11 @@ no step, loss or time left. Here a retry prints
 - the result's `progress` line when the task returns one (the run role's `run_progress` module:
   step, loss, tok/s, elapsed, ETA, val bpb), and only when it changed;
 - otherwise one `waiting:` line at the first retry and one every `quiet_retry_s` seconds after,
-  saying how long it has waited and how many attempts are left.
-Everything else is the default callback's output.
+  saying how long it has waited and how many attempts are left. An async task's polls likewise.
+A result that is only a message (`debug: msg=`, `fail: msg=`), a string or a list of strings, is
+printed as those lines, four spaces in: the default YAML dump folds them at 80 columns, which
+breaks the status table's columns and cuts the summary's lines in the middle. Everything else is
+the default callback's output.
 """
 
 from __future__ import annotations
@@ -23,7 +26,8 @@ DOCUMENTATION = """
     type: stdout
     short_description: the default output, with quiet waits and live run progress
     description:
-      - The default stdout callback, except for retries of tasks that poll with until/retries.
+      - The default stdout callback, except for retries of tasks that poll with until/retries, and
+        results that are only a message, printed as plain lines.
       - A retry whose result carries C(progress) prints that line when it changed; any other retry
         prints one C(waiting:) line at first and then one every O(quiet_retry_s) seconds.
     extends_documentation_fragment:
@@ -54,6 +58,14 @@ class CallbackModule(DefaultCallback):
         self._last_progress: dict[tuple[str, str], str] = {}  # (host, task) -> the line last shown
         self._waiting_since: dict[tuple[str, str], tuple[float, float]] = {}  # -> (first, last shown)
 
+    def _dump_results(self, result: dict, indent=None, sort_keys=True, keep_invocation=False, serialize=True):
+        shown = {k: v for k, v in result.items() if not k.startswith("_") and k not in ("changed", "failed")}
+        msg = shown.get("msg")
+        lines = [msg] if isinstance(msg, str) else msg
+        if list(shown) != ["msg"] or not isinstance(lines, list) or not all(isinstance(x, str) for x in lines):
+            return super()._dump_results(result, indent, sort_keys, keep_invocation, serialize)
+        return "".join(f"\n    {line}" for text in lines for line in text.splitlines() or [""])
+
     def v2_runner_retry(self, result) -> None:
         host = self.host_label(result)
         key = (host, result.task._uuid)
@@ -64,11 +76,21 @@ class CallbackModule(DefaultCallback):
                 self._last_progress[key] = progress
                 self._display.display(f"  [{host}] {progress}", color=C.COLOR_OK)
             return
+        self._say_waiting(key, host, f"{result.task_name or result.task} ({left} attempts left")
+
+    def v2_runner_on_async_poll(self, result) -> None:
+        """An async task's polls (the preflight's Gloo matrix, the wheelhouse download): throttled
+        like retries, instead of an `ASYNC POLL` line per poll and host."""
+        host = self.host_label(result)
+        # each poll is a fresh async_status task: the job id is what stays the same
+        job = result.result.get("ansible_job_id", "?")
+        self._say_waiting((host, job), host, f"async job {job} of the task above (still running")
+
+    def _say_waiting(self, key: tuple[str, str], host: str, what: str) -> None:
         now = time.monotonic()
         first, shown = self._waiting_since.get(key, (now, 0.0))
         if shown and now - shown < self.get_option("quiet_retry_s"):
             return
         self._waiting_since[key] = (first, now)
         waited = f", {now - first:.0f} s so far" if shown else ""
-        self._display.display(f"waiting: [{host}]: {result.task_name or result.task} "
-                              f"({left} attempts left{waited})", color=C.COLOR_DEBUG)
+        self._display.display(f"waiting: [{host}]: {what}{waited})", color=C.COLOR_DEBUG)

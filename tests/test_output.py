@@ -1,0 +1,142 @@
+"""What ansible-playbook prints with this repository's ansible.cfg: the stdout callback
+(playbooks/callback_plugins/nanochat.py) and the run role's run_progress parsing.
+
+Real ansible-playbook runs on localhost. The polled progress comes from a module written here
+that returns a `progress` line as run_progress does (the real module reads systemd and journald,
+which only the molecule scenario's nodes have: molecule/common/verify_training.yml checks the
+demo's screen there)."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.test_roles import ROOT, env, tool
+
+# a stand-in for run_progress: step N at the Nth poll, finished at the 4th
+COUNTING_MODULE = '''#!/usr/bin/python
+from ansible.module_utils.basic import AnsibleModule
+module = AnsibleModule(argument_spec={"state_file": {"type": "str", "required": True}})
+path = module.params["state_file"]
+try:
+    n = int(open(path).read()) + 1
+except OSError:
+    n = 1
+open(path, "w").write(str(n))
+step = min(n, 3) * 10  # the same line twice at the end: shown once
+module.exit_json(changed=False, finished=n >= 5, progress=f"d4 step {step}/40 loss 6.1 | 900 tok/s | eta {40 - step}s")
+'''
+
+
+def play(tmp_path: Path, tasks: str, **extra_env: str) -> str:
+    (tmp_path / "library").mkdir(exist_ok=True)
+    (tmp_path / "library" / "counting_progress.py").write_text(COUNTING_MODULE)
+    (tmp_path / "play.yml").write_text(
+        "- hosts: localhost\n  connection: local\n  gather_facts: false\n  tasks:\n" + tasks)
+    res = subprocess.run(
+        [tool("ansible-playbook"), "-i", "localhost,", "-e", f"ansible_python_interpreter={sys.executable}",
+         str(tmp_path / "play.yml")],
+        cwd=ROOT, env={**env(), **extra_env}, capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stdout + res.stderr
+    return res.stdout
+
+
+def test_a_polled_progress_line_is_shown_when_it_changes_and_no_retry_wall(tmp_path: Path) -> None:
+    out = play(tmp_path, f"""    - name: Follow
+      counting_progress:
+        state_file: {tmp_path / 'n'}
+      register: r
+      until: r.finished
+      retries: 10
+      delay: 1
+""")
+    assert "FAILED - RETRYING" not in out
+    shown = [line.strip() for line in out.splitlines() if "d4 step" in line]
+    assert shown == [f"[localhost] d4 step {s}/40 loss 6.1 | 900 tok/s | eta {40 - s}s" for s in (10, 20, 30)], out
+
+
+def test_a_plain_retry_says_waiting_once_a_minute_not_every_attempt(tmp_path: Path) -> None:
+    tasks = """    - name: Wait for something that never comes
+      ansible.builtin.command: "true"
+      register: r
+      until: false
+      retries: 4
+      delay: 1
+      failed_when: false
+      changed_when: false
+"""
+    out = play(tmp_path, tasks)
+    assert "FAILED - RETRYING" not in out
+    assert out.count("waiting: [localhost]: Wait for something that never comes (") == 1, out
+    # the throttle is what keeps it to one line: without it, a line per attempt
+    out = play(tmp_path, tasks, NANOCHAT_QUIET_RETRY_S="0")
+    assert out.count("waiting: [localhost]: Wait for something that never comes (") == 4, out
+
+
+def test_async_polls_are_throttled_like_retries(tmp_path: Path) -> None:
+    out = play(tmp_path, """    - name: A long job
+      ansible.builtin.command: sleep 4
+      async: 30
+      poll: 1
+      changed_when: false
+""")
+    assert "ASYNC POLL" not in out
+    assert out.count("waiting: [localhost]: async job ") == 1, out
+
+
+def test_a_message_prints_as_its_lines_unfolded(tmp_path: Path) -> None:
+    row = "node0      0    d4         active/running   0   00012/00020 7.0118  2211   11s     2.9121"
+    verdict = ("d4: FASTER THAN ONE NODE: cluster 2,802 tok/s with 3 ranks = 1.25x what rank 0@node0 would do "
+               "alone (~2,242 tok/s, est.)")
+    out = play(tmp_path, f"""    - name: Show a table
+      ansible.builtin.debug:
+        msg:
+          - "{row}"
+          - "{verdict}"
+    - name: Show a value
+      ansible.builtin.debug:
+        var: ansible_version.major
+""")
+    assert f"\n    {row}\n    {verdict}\n" in out, out
+    assert "ansible_version.major: 2" in out  # anything else: the default YAML dump
+
+
+# ---- run_progress's parsing, on the trainer's own lines --------------------------------------------
+
+def run_progress():
+    spec = importlib.util.spec_from_file_location("run_progress", ROOT / "roles/run/library/run_progress.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+MASTER_LINE = ("[node0 rank 0/3] step 00021/00040 (52.5%) loss=4.8487 lrm=1.000 dt_ms=43 tok_per_s=5908 mfu=5.0 "
+               "compute_ms=39 optim_ms=4 comm_wait_ms=0 elapsed=1.2m eta=1.1m")
+WORKER_LINE = ("[node1 rank 1/3] step 00021/00040 (52.5%) rank_loss=4.9012 dt_ms=43 tok_per_s=5908 mfu=5.0 "
+               "compute_ms=39 optim_ms=4 comm_wait_ms=0 elapsed=1.2m eta=1.1m")
+
+
+def test_run_progress_reads_the_step_line() -> None:
+    rp = run_progress()
+    p = rp.parse_step(MASTER_LINE)
+    assert p == {"step": 21, "total": 40, "percent": 52.5, "loss": "4.8487", "tok_s": "5908", "elapsed": "1.2m",
+                 "eta": "1.1m"}
+    assert rp.parse_step(WORKER_LINE)["loss"] == "4.9012"
+    p["val_bpb"] = "2.9121"
+    assert rp.progress_line("d4", "active/running", "0", p) == (
+        "d4 step 21/40 (52.5%) loss 4.8487 | 5908 tok/s | elapsed 1.2m eta 1.1m | val_bpb 2.9121")
+    assert rp.progress_line("d4", "activating/auto-restart", "2", p).endswith(
+        "| 2 restart(s) | activating/auto-restart")
+    assert rp.progress_line("d4", "active/running", "0", rp.parse_step("")) == "d4: active/running, no step yet"
+
+
+def test_run_progress_greps_tell_the_master_line_from_a_worker_line() -> None:
+    import re
+
+    rp = run_progress()
+    assert re.search(rp.GREPS["step"], MASTER_LINE) and not re.search(rp.GREPS["step"], WORKER_LINE)
+    assert re.search(rp.GREPS["own_step"], WORKER_LINE) and re.search(rp.GREPS["own_step"], MASTER_LINE)
+    assert not re.search(rp.GREPS["step"], "[node0 rank 0/3] eval step 00040 val_bpb=2.9121")
