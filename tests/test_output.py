@@ -58,6 +58,15 @@ def test_a_polled_progress_line_is_shown_when_it_changes_and_no_retry_wall(tmp_p
     assert shown == [f"[localhost] d4 step {s}/40 loss 6.1 | 900 tok/s | eta {40 - s}s" for s in (10, 20, 30)], out
 
 
+def test_a_progress_task_done_at_its_first_look_still_shows_its_line(tmp_path: Path) -> None:
+    (tmp_path / "n").write_text("9")  # finished at once: no retry
+    out = play(tmp_path, f"""    - name: Follow
+      counting_progress:
+        state_file: {tmp_path / 'n'}
+""")
+    assert "\n  [localhost] d4 step 30/40 loss 6.1 | 900 tok/s | eta 10s\n" in out, out
+
+
 def test_a_plain_retry_says_waiting_once_a_minute_not_every_attempt(tmp_path: Path) -> None:
     tasks = """    - name: Wait for something that never comes
       ansible.builtin.command: "true"

@@ -5,7 +5,8 @@ A task that polls (`until:` with `retries:`) prints one `FAILED - RETRYING` line
 the default callback: a run that trains for an hour fills the screen with hundreds of them and
 no step, loss or time left. Here a retry prints
 - the result's `progress` line when the task returns one (the run role's `run_progress` module:
-  step, loss, tok/s, elapsed, ETA, val bpb), and only when it changed;
+  step, loss, tok/s, elapsed, ETA, val bpb), and only when it changed (the task's final result
+  prints its line too, unless it is the one last shown);
 - otherwise one `waiting:` line at the first retry and one every `quiet_retry_s` seconds after,
   saying how long it has waited and how many attempts are left. An async task's polls likewise.
 A result that is only a message (`debug: msg=`, `fail: msg=`), a string or a list of strings, is
@@ -65,6 +66,16 @@ class CallbackModule(DefaultCallback):
         if list(shown) != ["msg"] or not isinstance(lines, list) or not all(isinstance(x, str) for x in lines):
             return super()._dump_results(result, indent, sort_keys, keep_invocation, serialize)
         return "".join(f"\n    {line}" for text in lines for line in text.splitlines() or [""])
+
+    def v2_runner_on_ok(self, result) -> None:
+        """The last look of a polled task: its progress line too, unless the last retry showed it
+        (a run that ended before the first look still gets its line)."""
+        super().v2_runner_on_ok(result)
+        progress = result.result.get("progress")
+        key = (self.host_label(result), result.task._uuid)
+        if progress and self._last_progress.get(key) != progress:
+            self._last_progress[key] = progress
+            self._display.display(f"  [{key[0]}] {progress}", color=C.COLOR_OK)
 
     def v2_runner_retry(self, result) -> None:
         host = self.host_label(result)
