@@ -139,6 +139,8 @@ def test_run_progress_reads_the_step_line() -> None:
         "d4 step 21/40 (52.5%) loss 4.8487 | 5908 tok/s | elapsed 1.2m eta 1.1m | val_bpb 2.9121")
     assert rp.progress_line("d4", "activating/auto-restart", "2", p).endswith(
         "| 2 restart(s) | activating/auto-restart")
+    assert rp.progress_line("d4", "failed/failed", "0", p).endswith("| val_bpb 2.9121 | failed/failed")
+    assert rp.progress_line("d4", "inactive/dead", "0", p).endswith("| val_bpb 2.9121")  # ended well
     assert rp.progress_line("d4", "active/running", "0", rp.parse_step("")) == "d4: active/running, no step yet"
 
 

@@ -6,7 +6,7 @@ the default callback: a run that trains for an hour fills the screen with hundre
 no step, loss or time left. Here a retry prints
 - the result's `progress` line when the task returns one (the run role's `run_progress` module:
   step, loss, tok/s, elapsed, ETA, val bpb), and only when it changed (the task's final result
-  prints its line too, unless it is the one last shown);
+  prints its line too, unless it is the host's line last shown, by this task or another);
 - otherwise one `waiting:` line at the first retry and one every `quiet_retry_s` seconds after,
   saying how long it has waited and how many attempts are left. An async task's polls likewise.
 A result that is only a message (`debug: msg=`, `fail: msg=`), a string or a list of strings, is
@@ -56,7 +56,7 @@ class CallbackModule(DefaultCallback):
 
     def __init__(self) -> None:
         super().__init__()
-        self._last_progress: dict[tuple[str, str], str] = {}  # (host, task) -> the line last shown
+        self._last_progress: dict[str, str] = {}  # host -> the line last shown (by any task)
         self._waiting_since: dict[tuple[str, str], tuple[float, float]] = {}  # -> (first, last shown)
 
     def _dump_results(self, result: dict, indent=None, sort_keys=True, keep_invocation=False, serialize=True):
@@ -71,11 +71,10 @@ class CallbackModule(DefaultCallback):
         """The last look of a polled task: its progress line too, unless the last retry showed it
         (a run that ended before the first look still gets its line)."""
         super().v2_runner_on_ok(result)
-        progress = result.result.get("progress")
-        key = (self.host_label(result), result.task._uuid)
-        if progress and self._last_progress.get(key) != progress:
-            self._last_progress[key] = progress
-            self._display.display(f"  [{key[0]}] {progress}", color=C.COLOR_OK)
+        progress, host = result.result.get("progress"), self.host_label(result)
+        if progress and self._last_progress.get(host) != progress:
+            self._last_progress[host] = progress
+            self._display.display(f"  [{host}] {progress}", color=C.COLOR_OK)
 
     def v2_runner_retry(self, result) -> None:
         host = self.host_label(result)
@@ -83,8 +82,8 @@ class CallbackModule(DefaultCallback):
         left = result.result["retries"] - result.result["attempts"]
         progress = result.result.get("progress")
         if progress:
-            if self._last_progress.get(key) != progress:
-                self._last_progress[key] = progress
+            if self._last_progress.get(host) != progress:
+                self._last_progress[host] = progress
                 self._display.display(f"  [{host}] {progress}", color=C.COLOR_OK)
             return
         self._say_waiting(key, host, f"{result.task_name or result.task} ({left} attempts left")

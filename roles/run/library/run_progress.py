@@ -117,7 +117,7 @@ def progress_line(run: str, state: str, restarts: str, p: dict) -> str:
         parts.append(f"val_bpb {p['val_bpb']}")
     if restarts not in ("", "0"):
         parts.append(f"{restarts} restart(s)")
-    if not state.startswith("active/"):
+    if state not in ("active/running", "inactive/dead"):  # ended well or running: the step says enough
         parts.append(state)
     return " | ".join(parts)
 
