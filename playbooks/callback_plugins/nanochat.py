@@ -71,22 +71,21 @@ class CallbackModule(DefaultCallback):
         """The last look of a polled task: its progress line too, unless the last retry showed it
         (a run that ended before the first look still gets its line)."""
         super().v2_runner_on_ok(result)
-        progress, host = result.result.get("progress"), self.host_label(result)
-        if progress and self._last_progress.get(host) != progress:
-            self._last_progress[host] = progress
-            self._display.display(f"  [{host}] {progress}", color=C.COLOR_OK)
+        self._show_progress(self.host_label(result), result.result.get("progress"))
 
     def v2_runner_retry(self, result) -> None:
         host = self.host_label(result)
-        key = (host, result.task._uuid)
-        left = result.result["retries"] - result.result["attempts"]
-        progress = result.result.get("progress")
-        if progress:
-            if self._last_progress.get(host) != progress:
-                self._last_progress[host] = progress
-                self._display.display(f"  [{host}] {progress}", color=C.COLOR_OK)
+        if self._show_progress(host, result.result.get("progress")):
             return
-        self._say_waiting(key, host, f"{result.task_name or result.task} ({left} attempts left")
+        left = result.result["retries"] - result.result["attempts"]
+        self._say_waiting((host, result.task._uuid), host, f"{result.task_name or result.task} ({left} attempts left")
+
+    def _show_progress(self, host: str, progress: str | None) -> bool:
+        """Print the host's progress line if it changed; whether the result had one."""
+        if progress and self._last_progress.get(host) != progress:
+            self._last_progress[host] = progress
+            self._display.display(f"  [{host}] {progress}", color=C.COLOR_OK)
+        return bool(progress)
 
     def v2_runner_on_async_poll(self, result) -> None:
         """An async task's polls (the preflight's Gloo matrix, the wheelhouse download): throttled
