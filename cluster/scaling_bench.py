@@ -200,7 +200,7 @@ def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: 
              "--out-dir", "/tmp/nanochat-scaling"]
     if split == "on" and world > 1:
         flags += ["--rank-batch-sizes", "auto"]
-    for name in ("outer_lr", "outer_momentum"):  # unset: the trainer's defaults
+    for name in ("outer_lr", "outer_momentum", "sync_warmup_ratio"):  # unset: the trainer's defaults
         if getattr(args, name) is not None:
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     procs = []
@@ -282,6 +282,7 @@ def main() -> int:
     p.add_argument("--sync-every", type=lambda t: [sync_every_value(v) for v in t.split(",")], default=["1"],
                    help="comma list of --sync-every values for the cluster runs: 1, an integer H or auto")
     p.add_argument("--outer-lr", type=float, default=None, help="passed to the trainer (default: its own)")
+    p.add_argument("--sync-warmup-ratio", type=float, default=None, help="passed to the trainer (default: its own)")
     p.add_argument("--outer-momentum", type=float, default=None, help="passed to the trainer (default: its own)")
     p.add_argument("--steps", type=int, default=4, help="steps of a --sync-every 1 run")
     p.add_argument("--auto-steps", type=int, default=100, help="steps of a --sync-every auto run")

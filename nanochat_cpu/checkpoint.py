@@ -416,15 +416,15 @@ def write_restored_file(out_dir: str, step: int, name: str, data: bytes, env: Di
 
 
 def sync_refusal(where: str, saved: dict, local_steps: bool) -> str | None:
-    """Why a checkpoint of the other kind of sync (its saved `extra`) must not be resumed: local
-    steps keep a whole optimizer state per node, synchronous steps one shard per rank."""
-    saved_local = "outer" in saved
-    if saved_local == local_steps:
+    """Why a checkpoint (its saved `extra`) must not be resumed by this kind of sync. Local steps go
+    on from a synchronous checkpoint (every node continues the whole optimizer state: the end of
+    the synchronous warm-up); the reverse would have to pick one node's inner state, so it is refused."""
+    if "outer" not in saved or local_steps:
         return None
-    kinds = {True: "local steps (--sync-every above 1 or auto)", False: "every step synchronous (--sync-every 1)"}
-    return (f"checkpoint {where} was trained with {kinds[saved_local]}, this run asks for {kinds[local_steps]}: "
-            f"their optimizer states are laid out differently (a whole one per node, or a shard per rank). Fix: "
-            f"resume with the run's --sync-every, or {START_AFRESH}")
+    return (f"checkpoint {where} was trained with local steps (--sync-every above 1 or auto, past its "
+            f"--sync-warmup-ratio), this run asks for every step synchronous (--sync-every 1, or a step still "
+            f"inside a longer --sync-warmup-ratio): each node kept its own optimizer state, which one step "
+            f"cannot continue. Fix: resume with the run's --sync-every and --sync-warmup-ratio, or {START_AFRESH}")
 
 
 def ranks_by_node(node_of_rank: list[int]) -> list[list[int]]:
@@ -448,16 +448,20 @@ def load_states(cfg: TrainConfig, env: DistEnv, disks: Disks, step: int, marker:
     if "world_size" not in marker or (marker["world_size"], marker["node_of_rank"]) == (now["world_size"],
                                                                                      now["node_of_rank"]):
         state = load_rank_state(cfg.out_dir, step, env.rank)
-        # the same world may step another way (shared memory now missing, or back): then merge
-        if "world_size" not in marker or state["optimizer"].get("strategy", strategy) == strategy:
+        # the same world may step another way (shared memory now missing, or back; local steps after
+        # the synchronous warm-up): then merge
+        same_kind = ("outer" in state["extra"]) == local_steps
+        if "world_size" not in marker or (same_kind and state["optimizer"].get("strategy", strategy) == strategy):
             return state, state["loader"], f"resumed from checkpoint step {step} ({where}), {wrote}"
     saved = [load_rank_state(cfg.out_dir, step, r) for r in range(marker["world_size"])]
     state = dict(saved[min(env.rank, len(saved) - 1)])
     state["extra"] = {k: v for k, v in saved[0]["extra"].items() if k != "rank_batch_sizes"}  # measured anew
-    if ("outer" in state["extra"]) != local_steps:
-        return state, None, ""  # the other kind of sync: resume refuses it, naming both
-    stepped = list(range(len(saved)))  # the ranks whose optimizer this rank's continues
-    if local_steps:  # each node's own optimizer: a new node continues an old one's (its index's, or node 0's)
+    if "outer" in state["extra"] and not local_steps:
+        return state, None, ""  # local steps continued synchronously: resume refuses it, naming both
+    # the ranks whose optimizer this rank's continues: all of them (synchronous steps, or the local
+    # steps that follow them: every node continues the whole state), or one old node's
+    stepped = list(range(len(saved)))
+    if "outer" in state["extra"]:  # a new node continues an old one's (its index's, or node 0's)
         old, new = ranks_by_node(marker["node_of_rank"]), ranks_by_node(now["node_of_rank"])
         index = next(i for i, ranks in enumerate(new) if env.rank in ranks)
         stepped = old[index] if index < len(old) else old[0]
@@ -497,22 +501,40 @@ def load_into(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, opt: Muo
     return None, loader_state, extra, said
 
 
-def resume(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, tokenizer_sha: str,
-           vocab_size: int, watchdog: Watchdog, local_steps: bool = False) -> tuple[int, dict | None, dict]:
-    """Load the newest checkpoint any disk holds whole into model, opt and the RNG (restoring it first
-    to the disks that lack it), refusing one that does not fit; returns (the step to start from, the
-    loader's position, the saved `extra`). Every rank learns whether every rank could load it: one
-    that cannot stops them all. With local steps the checkpoint is from an outer boundary: the model
-    is theta_global, and `extra` holds the outer momentum and the schedule (train.setup_local_steps)."""
+def find_resume_step(cfg: TrainConfig, env: DistEnv, disks: Disks,
+                     watchdog: Watchdog) -> tuple[int | None, list[dict[int, dict]]]:
+    """The newest step some disk holds whole (None: a fresh run) and every rank's checkpoints; the
+    trainer needs the step before it builds the optimizer (synchronous, or local steps past the warm-up)."""
     everyone = survey(cfg, env, disks, watchdog)
-    resume_step = choose_resume_step(cfg, env, everyone)
-    if resume_step is None:
-        return 0, None, {}
+    return choose_resume_step(cfg, env, everyone), everyone
+
+
+def load_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, step: int,
+                    everyone: list[dict[int, dict]], tokenizer_sha: str, vocab_size: int, watchdog: Watchdog,
+                    local_steps: bool) -> tuple[dict | None, dict, str]:
+    """Checkpoint `step` into model, opt and the RNG, restoring it first to the disks that lack it:
+    (the loader's position, the saved `extra`, the line that says where it came from). Every rank
+    learns whether every rank could load it: one that cannot stops them all."""
     if env.distributed:
-        restore_missing(cfg, env, disks, resume_step, everyone, watchdog)
-    marker = next(steps[resume_step] for steps in everyone if resume_step in steps)
-    problem, loader_state, extra, said = load_into(cfg, env, disks, model, opt, resume_step, marker, local_steps,
+        restore_missing(cfg, env, disks, step, everyone, watchdog)
+    marker = next(steps[step] for steps in everyone if step in steps)
+    problem, loader_state, extra, said = load_into(cfg, env, disks, model, opt, step, marker, local_steps,
                                                    tokenizer_sha, vocab_size)
     fail_together(env, disks, watchdog, "resume", 0, problem)
+    return loader_state, extra, said
+
+
+def resume(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, found: tuple[int | None, list],
+           tokenizer_sha: str, vocab_size: int, watchdog: Watchdog,
+           local_steps: bool = False) -> tuple[int, dict | None, dict]:
+    """Load `found` (find_resume_step's) into model, opt and the RNG, refusing a checkpoint that does
+    not fit; returns (the step to start from, the loader's position, the saved `extra`). With local
+    steps a local checkpoint is from an outer boundary: the model is theta_global, and `extra` holds
+    the outer momentum and the schedule (train.setup_local_steps)."""
+    resume_step, everyone = found
+    if resume_step is None:
+        return 0, None, {}
+    loader_state, extra, said = load_checkpoint(cfg, env, disks, model, opt, resume_step, everyone, tokenizer_sha,
+                                                vocab_size, watchdog, local_steps)
     log(env, said)
     return resume_step, loader_state, extra

@@ -26,6 +26,10 @@ PER_HOST_FIELDS = frozenset(
     {"data_dir", "tokenizer_dir", "out_dir", "tracking_uri", "compile", "collective_timeout"}
 )
 
+# --sync-warmup-ratio's default: at depth 4, 0.6M tokens, H 8, synchronous first steps took local steps'
+# cost from +3.4% to +1.9% val bpb (0.2) (docs/BENCHMARKS.md)
+SYNC_WARMUP_RATIO = 0.2
+
 
 @dataclass
 class TrainConfig:
@@ -105,6 +109,13 @@ class TrainConfig:
     outer_lr: float = field(default=1.0, metadata={"help": "outer SGD LR on the nodes' averaged pseudo-gradient "
                                                            "(1 with momentum 0: the nodes' token-weighted average)"})
     outer_momentum: float = field(default=0.0, metadata={"help": "outer Nesterov momentum, in [0, 1)"})
+    # local steps cost the most quality early, while the model changes fastest (post-local SGD)
+    sync_warmup_ratio: float = field(
+        default=SYNC_WARMUP_RATIO,
+        metadata={"help": "with local steps (--sync-every above 1 or auto): the fraction of --num-iterations "
+                          "trained with every step synchronous before the nodes start their inner phases "
+                          "(0 = local steps from the first step)"},
+    )
     # evaluation, logging, checkpoints
     eval_every: int = field(default=100, metadata={"help": "steps between val bpb evaluations (0 = only at the end, "
                                                            "-1 = never)"})
@@ -268,6 +279,8 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise flag_problem("outer_lr", cfg.outer_lr, "must be > 0 (1 with --outer-momentum 0 = plain averaging)")
     if not 0.0 <= cfg.outer_momentum < 1.0:
         raise flag_problem("outer_momentum", cfg.outer_momentum, "must be in [0, 1)")
+    if not 0.0 <= cfg.sync_warmup_ratio < 1.0:
+        raise flag_problem("sync_warmup_ratio", cfg.sync_warmup_ratio, "must be in [0, 1)")
     if cfg.seed < 0:
         raise flag_problem("seed", cfg.seed, "must be >= 0")
     for name in ("warmup_ratio", "warmdown_ratio", "final_lr_frac"):
@@ -386,6 +399,11 @@ def sync_every_steps(cfg: TrainConfig) -> int | None:
     except ValueError:
         return None
     return steps if steps >= 1 else None
+
+
+def sync_warmup_steps(cfg: TrainConfig) -> int:
+    """The steps trained synchronously before local steps start (when --sync-every asks for them)."""
+    return round(cfg.sync_warmup_ratio * cfg.num_iterations)
 
 
 def grad_accum_steps(cfg: TrainConfig, sizes: list[int]) -> int:

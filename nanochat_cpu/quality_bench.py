@@ -119,7 +119,7 @@ def batch_problem(rows: list[str], nodes: int, device_batch: int, seq: int, tota
 
 def settings_of(args: argparse.Namespace, steps: int) -> dict[str, Any]:
     keys = ("depth", "seq", "device_batch_size", "total_batch_size", "eval_tokens", "seed", "outer_lr",
-            "outer_momentum", "data_dir", "tokenizer_dir")
+            "outer_momentum", "sync_warmup_ratio", "data_dir", "tokenizer_dir")
     return {"steps": steps, **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k in keys}}
 
 
@@ -131,7 +131,7 @@ def trainer_flags(args: argparse.Namespace, steps: int, sync_every: str, out_dir
              "--sample-every", "0", "--checkpoint-every", "0", "--checksum-every", "0", "--resume", "never",
              "--tracking-uri", "none", "--run-name", "quality", "--data-dir", str(args.data_dir),
              "--tokenizer-dir", str(args.tokenizer_dir), "--out-dir", str(out_dir)]
-    for name in ("outer_lr", "outer_momentum"):  # unset: the trainer's defaults
+    for name in ("outer_lr", "outer_momentum", "sync_warmup_ratio"):  # unset: the trainer's defaults
         if getattr(args, name) is not None:
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return flags
@@ -275,6 +275,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="val tokens scored at the end (default: more than the fortunes val split: all of it)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--outer-lr", type=float, default=None, help="passed to the trainer (default: its own)")
+    p.add_argument("--sync-warmup-ratio", type=float, default=None, help="passed to the trainer (default: its own)")
     p.add_argument("--outer-momentum", type=float, default=None, help="passed to the trainer (default: its own)")
     p.add_argument("--data-dir", type=Path, default=None)
     p.add_argument("--tokenizer-dir", type=Path, default=None)

@@ -24,6 +24,11 @@ theta_global stays bit-identical on every node. Deltas travel in --grad-comm-dty
 then hands theta_global to its node's other ranks (shared memory: they read the same weights;
 Gloo within the node: a broadcast).
 
+Local steps cost the most quality early, while the model changes fastest (Lin et al.'s post-local
+SGD; DiLoCo itself starts from a pretrained model): the trainer runs the first --sync-warmup-ratio
+of the steps synchronously, checkpoints, and every node then continues the whole synchronous
+optimizer state (train.start_local_steps). OuterSchedule's `start` is that step.
+
 Per outer step each leader sends (nodes - 1) / nodes of the model twice, where ZeRO-2 sends
 about that every step: H times fewer bytes. `--sync-every auto` runs a first phase of
 AUTO_FIRST_PHASE steps, times its outer sync against the slowest node's inner step, and picks
@@ -112,11 +117,13 @@ class OuterSchedule:
     """Outer boundaries at steps first, first + every, first + 2 every, ... and at the last step.
 
     `every` 1 is the synchronous run: every step is a boundary, and `due` is `step % period == 0`.
-    Until auto has chosen H, `every` is None: the first boundary is the only one known."""
+    Until auto has chosen H, `every` is None: the first boundary is the only one known. `start` is
+    the step the inner phases began at (after a synchronous warm-up), itself a boundary."""
 
     first: int
     every: int | None
     last: int
+    start: int = 0
 
     def boundary(self, step: int) -> bool:
         if step == self.last or step == self.first:
@@ -124,9 +131,9 @@ class OuterSchedule:
         return self.every is not None and step > self.first and (step - self.first) % self.every == 0
 
     def previous(self, step: int) -> int:
-        """The boundary before `step`, 0 at the start."""
+        """The boundary before `step`: `start` up to the first."""
         if step <= self.first or self.every is None:
-            return 0
+            return self.start
         return self.first + (step - self.first - 1) // self.every * self.every
 
     def due(self, period: int, step: int) -> bool:

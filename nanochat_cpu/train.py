@@ -37,6 +37,7 @@ from .config import (
     host_problems,
     parse_config,
     sync_every_steps,
+    sync_warmup_steps,
     validate,
     world_size_from_env,
 )
@@ -271,8 +272,9 @@ def find_local_step_nodes(cfg: TrainConfig, env: DistEnv, watchdog: Watchdog) ->
 
 
 def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW, nodes: Nodes | None,
-                      sizes: list[int], extra: dict) -> tuple[DiLoCo | None, OuterSchedule]:
-    """The outer optimizer (None: every step synchronous) and its boundaries, resumed from `extra`."""
+                      sizes: list[int], extra: dict, start: int) -> tuple[DiLoCo | None, OuterSchedule]:
+    """The outer optimizer (None: every step synchronous) and its boundaries from step `start` on,
+    resumed from `extra`."""
     if nodes is None:
         return None, OuterSchedule(1, 1, cfg.num_iterations)
     share = node_token_share(nodes, sizes)
@@ -286,18 +288,42 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
     every = sync_every_steps(cfg)
     saved = extra.get("sync_schedule")
     if every is None and saved:  # auto, resumed: the H it chose
-        schedule = OuterSchedule(saved["first"], saved["every"], cfg.num_iterations)
+        schedule = OuterSchedule(saved["first"], saved["every"], cfg.num_iterations, start)
     elif every is None:
-        schedule = OuterSchedule(AUTO_FIRST_PHASE, None, cfg.num_iterations)
+        schedule = OuterSchedule(start + AUTO_FIRST_PHASE, None, cfg.num_iterations, start)
     else:
-        schedule = OuterSchedule(every, every, cfg.num_iterations)
+        schedule = OuterSchedule(start + every, every, cfg.num_iterations, start)
     average = " (a plain average)" if (cfg.outer_lr, cfg.outer_momentum) == (1, 0) else ""
     log(env, f"local steps: node {nodes.index} of {nodes.count} (ranks {nodes.ranks[nodes.index]}), "
              f"{share:.1%} of each inner step's tokens; outer sync every "
-             f"{schedule.every or f'auto (first after {schedule.first})'} steps, outer lr {cfg.outer_lr} "
-             f"Nesterov momentum {cfg.outer_momentum}{average}, "
+             f"{schedule.every or f'auto (first after {AUTO_FIRST_PHASE})'} steps from step {start}, outer lr "
+             f"{cfg.outer_lr} Nesterov momentum {cfg.outer_momentum}{average}, "
              f"{diloco.sent_bytes / 2**20:.1f} MiB sent per outer step by the node's first rank")
     return diloco, schedule
+
+
+def start_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, muon_dtype: torch.dtype, nodes: Nodes,
+                      disks: checkpoint.Disks, step: int, sizes: list[int], tokenizer_sha: str, vocab_size: int,
+                      watchdog: Watchdog) -> tuple[MuonAdamW, DiLoCo, OuterSchedule]:
+    """The end of the synchronous warm-up, at step `step`, just checkpointed: each node's own
+    optimizer continues the whole synchronous state from that checkpoint (every disk holds every
+    rank's part of it, so nothing crosses the wire), and the inner phases begin."""
+    opt = setup_optimizer(cfg, env, model, muon_dtype, watchdog, nodes)
+    everyone = checkpoint.survey(cfg, env, disks, watchdog)
+    _, extra, _ = checkpoint.load_checkpoint(cfg, env, disks, model, opt, step, everyone, tokenizer_sha,
+                                             vocab_size, watchdog, local_steps=True)
+    log(env, f"synchronous warm-up done at step {step} (--sync-warmup-ratio {cfg.sync_warmup_ratio}): every node "
+             f"continues the optimizer state of checkpoint {checkpoint.step_dir(cfg.out_dir, step)}")
+    diloco, schedule = setup_local_steps(cfg, env, model, opt, nodes, sizes, extra, step)
+    return opt, diloco, schedule
+
+
+def stepping_loss_scale(env: DistEnv, nodes: Nodes | None, sizes: list[int], accum: int) -> float:
+    """Gradients are summed across the ranks that step together (all, or with local steps the
+    node's): weight each rank's mean loss by its share of their tokens, so an uneven split
+    optimises exactly what an even one does."""
+    stepping = nodes.ranks[nodes.index] if nodes else range(env.world_size)
+    return sizes[env.rank] / (sum(sizes[r] for r in stepping) * accum)
 
 
 def outer_sync(env: DistEnv, tracker: Tracker, diloco: DiLoCo, schedule: OuterSchedule, step: int,
@@ -449,12 +475,15 @@ def run(cfg: TrainConfig) -> int:
     model = build_model(cfg, env, tokenizer.vocab_size)
     disks = checkpoint.find_disks(cfg, env, watchdog)
     nodes = find_local_step_nodes(cfg, env, watchdog)
-    opt = setup_optimizer(cfg, env, model, muon_dtype, watchdog, nodes)
+    warm_until = sync_warmup_steps(cfg) if nodes else 0  # the synchronous steps before local ones
+    found = checkpoint.find_resume_step(cfg, env, disks, watchdog)
+    local_now = nodes is not None and (found[0] or 0) >= warm_until
+    opt = setup_optimizer(cfg, env, model, muon_dtype, watchdog, nodes if local_now else None)
     fpt = flops_per_token(model)
     if env.master:
         log_parameters(env, cfg, model, fpt)
-    start_step, loader_state, extra = checkpoint.resume(cfg, env, disks, model, opt, tokenizer_sha,
-                                                        tokenizer.vocab_size, watchdog, local_steps=nodes is not None)
+    start_step, loader_state, extra = checkpoint.resume(cfg, env, disks, model, opt, found, tokenizer_sha,
+                                                        tokenizer.vocab_size, watchdog, local_steps=local_now)
 
     # ---- work split, data, tracking --------------------------------------------------------------
     ctx = autocast_for(env.device, ctx_dtype)
@@ -472,12 +501,11 @@ def run(cfg: TrainConfig) -> int:
                         **{f"params_{k}": v for k, v in parameter_breakdown(model).items()}})
     if env.master:
         log(env, f"matmul peak {peak / 1e9:.0f} GFLOP/s per rank ({ctx_dtype}); MFU is measured against it")
-    # gradients are summed across the ranks that step together (all, or with local steps the
-    # node's): weight each rank's mean loss by its share of their tokens, so an uneven split
-    # optimises exactly what an even one does
-    stepping = nodes.ranks[nodes.index] if nodes else range(env.world_size)
-    loss_scale = sizes[env.rank] / (sum(sizes[r] for r in stepping) * accum)
-    diloco, schedule = setup_local_steps(cfg, env, model, opt, nodes, sizes, extra)
+    loss_scale = stepping_loss_scale(env, nodes if local_now else None, sizes, accum)
+    diloco, schedule = setup_local_steps(cfg, env, model, opt, nodes if local_now else None, sizes, extra, start_step)
+    if nodes is not None and not local_now:
+        log(env, f"local steps after a synchronous warm-up: steps {start_step + 1}-{warm_until} synchronous "
+                 f"(--sync-warmup-ratio {cfg.sync_warmup_ratio}), then --sync-every {cfg.sync_every}")
 
     # ---- the loop --------------------------------------------------------------------------------
     step = start_step
@@ -526,7 +554,8 @@ def run(cfg: TrainConfig) -> int:
         last = step == cfg.num_iterations
         if env.distributed and (schedule.due(10, step) or last):
             said_speed = log_rank_timings(cfg, env, tracker, step, sizes, accum, *phase.per_step(), watchdog,
-                                          said_speed, local_steps=diloco is not None, last=last)
+                                          said_speed, local_steps=diloco is not None, last=last,
+                                          warm_up_until=warm_until if diloco is None else 0)
         phase = PhaseTimes()
         if env.distributed and (step == schedule.first or diloco is not None or schedule.due(cfg.checksum_every, step)
                                 or last):
@@ -538,7 +567,8 @@ def run(cfg: TrainConfig) -> int:
             tracker.log_metrics({"val_bpb": bpb}, step)
         if env.master and cfg.sample_every != NEVER and (schedule.due(cfg.sample_every, step) or last):
             log_sample(env, model, tokenizer, step)
-        if schedule.due(cfg.checkpoint_every, step) or last or stopping:
+        warmed_up = diloco is None and nodes is not None and step == warm_until and not last
+        if schedule.due(cfg.checkpoint_every, step) or last or stopping or warmed_up:
             extra = {"mlflow_run_id": tracker.run_id, "rank_batch_sizes": sizes, "tokenizer_sha256": tokenizer_sha,
                      "vocab_size": tokenizer.vocab_size}
             if diloco is not None:  # at a boundary: the model is theta_global; the outer momentum, the chosen H
@@ -548,6 +578,11 @@ def run(cfg: TrainConfig) -> int:
             tracker.flush()
         if stopping:
             break
+        if warmed_up:
+            opt = None  # the synchronous optimizer's memory goes before the nodes' own is built
+            opt, diloco, schedule = start_local_steps(cfg, env, model, muon_dtype, nodes, disks, step, sizes,
+                                                      tokenizer_sha, tokenizer.vocab_size, watchdog)
+            loss_scale = stepping_loss_scale(env, nodes, sizes, accum)
 
     # ---- the end ---------------------------------------------------------------------------------
     stop.close(step, watchdog)

@@ -110,12 +110,14 @@ def choose_split(cfg: TrainConfig, env: DistEnv, model: GPT, ctx, watchdog: Watc
 
 def log_rank_timings(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int, sizes: list[int],
                      accum: int, compute_s: float, wait_s: float, step_s: float, watchdog: Watchdog,
-                     said_speed: bool, local_steps: bool = False, last: bool = False) -> bool:
+                     said_speed: bool, local_steps: bool = False, last: bool = False, warm_up_until: int = 0) -> bool:
     """Who computed how long and who waited: the numbers behind the work split. And whether the
     cluster is any faster than its fastest node would be alone: said at the first timing step
     (returns True once said), loudly if it is not, and again at the last step (`at the end:`),
     from the warmed-up timings the run's summary reports. The times are one step's (with local steps:
-    the means over the inner phase that just ended, its outer sync included)."""
+    the means over the inner phase that just ended, its outer sync included). Before step
+    `warm_up_until` (the synchronous warm-up of a run with local steps) the speed is said as that
+    phase's only: the run's verdict waits for the local steps it is set to run."""
     mine = torch.tensor([compute_s, wait_s, step_s], dtype=torch.float64, device=env.device)
     everyone = [torch.zeros_like(mine) for _ in range(env.world_size)]
     with watchdog.phase("all_gather timings", step):
@@ -130,12 +132,17 @@ def log_rank_timings(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int
                for r, t in enumerate(everyone)]
     est = throughput.estimate(timings, cfg.total_batch_size, local_steps)
     slower, line = throughput.verdict(est, timings, cfg.total_batch_size, sum(sizes) * cfg.max_seq_len, local_steps)
+    tracker.log_metrics({**{f"{k}_ms_rank{r}": float(t[i]) * 1000 for r, t in enumerate(everyone)
+                            for i, k in enumerate(("compute", "comm_wait"))},
+                         "vs_fastest_node_est": est.vs_fastest, "slower_than_one_node": float(slower)}, step)
+    if step < warm_up_until:
+        log(env, f"synchronous warm-up to step {warm_up_until}: cluster {est.cluster_tok_per_s:,.0f} tok/s = "
+                 f"{est.vs_fastest:.2f}x what its fastest node would do alone (est.); the speed verdict follows "
+                 f"the local steps from step {warm_up_until}")
+        return said_speed
     if not said_speed:
         log(env, line)
     elif last:
         log(env, f"at the end: {line}")
-    tracker.log_metrics({**{f"{k}_ms_rank{r}": float(t[i]) * 1000 for r, t in enumerate(everyone)
-                            for i, k in enumerate(("compute", "comm_wait"))},
-                         "vs_fastest_node_est": est.vs_fastest, "slower_than_one_node": float(slower)}, step)
     return True
 

@@ -55,6 +55,15 @@ def assert_ok(results: list[tuple[int, str]]) -> str:
     return "".join(out for _, out in results)
 
 
+def two_nodes(flags) -> str:
+    """Node 0's output of two nodes (one rank each), each with its own run directory as on real
+    machines: `flags(node)` is node's trainer target."""
+    port = free_port()
+    results = collect([spawn_node(2, n, port, flags(n)) for n in range(2)], 240)
+    assert_ok(results)
+    return results[0][1]
+
+
 @pytest.fixture(scope="module")
 def one_node(tmp_path_factory) -> dict[str, torch.Tensor]:
     out = tmp_path_factory.mktemp("alone") / "params.pt"
@@ -116,15 +125,9 @@ def test_trainer_local_steps_resume_reproduces_losses(tiny_data_dir, tiny_tokeni
     the last boundary with the uninterrupted run's losses."""
     def flags(node: int) -> list[str]:
         return train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=4,
-                                        checkpoint_every=2, keep_checkpoints=5))
+                                        checkpoint_every=2, keep_checkpoints=5, sync_warmup_ratio=0))
 
-    def two_nodes() -> str:  # each node its own run directory, as on real machines
-        port = free_port()
-        results = collect([spawn_node(2, n, port, flags(n)) for n in range(2)], 240)
-        assert_ok(results)
-        return results[0][1]
-
-    first = two_nodes()
+    first = two_nodes(flags)
     full = losses(first)
     assert sorted(full) == list(range(1, 13))
     assert re.findall(r"outer step (\d) at step (\d+)", first) == [("1", "00004"), ("2", "00008"), ("3", "00012")]
@@ -138,7 +141,7 @@ def test_trainer_local_steps_resume_reproduces_losses(tiny_data_dir, tiny_tokeni
             for f in (tmp_path / f"n{node}" / "checkpoints" / step).iterdir():
                 f.unlink()
             (tmp_path / f"n{node}" / "checkpoints" / step).rmdir()
-    second = two_nodes()
+    second = two_nodes(flags)
     assert "resumed from checkpoint step 8" in second
     resumed = losses(second)
     assert sorted(resumed) == [9, 10, 11, 12]
@@ -157,19 +160,65 @@ def test_trainer_auto_picks_one_h_on_every_rank_of_two_two_rank_nodes(tiny_data_
     assert "eval step 00012 val_bpb=" in out
 
 
-def test_a_synchronous_checkpoint_is_not_resumed_with_local_steps(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+def test_local_steps_start_after_a_synchronous_warm_up_and_resume_from_its_checkpoint(tiny_data_dir,
+                                                                                      tiny_tokenizer_dir, tmp_path):
+    """--sync-warmup-ratio 0.25 of 12 steps: steps 1-3 synchronous, a checkpoint at 3, then each node
+    continues the whole synchronous optimizer state in inner phases of H = 4 (boundaries 7, 11 and
+    the last step). A run resumed from the warm-up's checkpoint (a synchronous one, continued with
+    local steps) repeats the uninterrupted run's losses: the switch in the run and the one on resume
+    are the same."""
+    def flags(node: int) -> list[str]:
+        return train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=4,
+                                        sync_warmup_ratio=0.25, checkpoint_every=0, keep_checkpoints=5))
+
+    first = two_nodes(flags)
+    assert "local steps after a synchronous warm-up: steps 1-3 synchronous (--sync-warmup-ratio 0.25)" in first
+    assert "synchronous warm-up done at step 3 (--sync-warmup-ratio 0.25)" in first
+    assert re.findall(r"outer step (\d) at step (\d+)", first) == [("1", "00007"), ("2", "00011"), ("3", "00012")]
+    full = losses(first)
+    assert sorted(full) == list(range(1, 13))
+    for node in range(2):
+        ckpts = tmp_path / f"n{node}" / "checkpoints"
+        assert sorted(p.name for p in ckpts.iterdir()) == ["step_000003", "step_000012"]
+        for f in (ckpts / "step_000012").iterdir():  # back to the end of the warm-up
+            f.unlink()
+        (ckpts / "step_000012").rmdir()
+    second = two_nodes(flags)
+    assert "resumed step 3, written by 2 ranks" in second, second
+    assert "local steps: node 0 of 2 (ranks [0]), 50.0% of each inner step's tokens; outer sync every 4 steps " \
+           "from step 3" in second
+    resumed = losses(second)
+    assert sorted(resumed) == list(range(4, 13))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
+
+
+def test_the_speed_verdict_waits_for_the_local_steps_after_the_warm_up(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """Timings are said every 10 steps: at step 10, inside a warm-up to step 11, as the warm-up's
+    speed only (a slow link makes it slower than one node, which is why local steps follow); the
+    FASTER/SLOWER verdict comes from the local steps' timings, at the last step."""
+    out = two_nodes(lambda node: train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}",
+                                                          sync_every=2, sync_warmup_ratio=0.9, checkpoint_every=0)))
+    assert re.search(r"synchronous warm-up to step 11: cluster [0-9,]+ tok/s = [0-9.]+x what its fastest node "
+                     r"would do alone \(est\.\); the speed verdict follows the local steps from step 11", out), out
+    verdicts = [m.start() for m in re.finditer(r"(FASTER|SLOWER) THAN ONE NODE: cluster", out)]
+    assert len(verdicts) == 1 and verdicts[0] > out.index("synchronous warm-up done at step 11"), out
+
+
+def test_a_local_steps_checkpoint_is_not_resumed_synchronously(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
     def flags(node: int, every: str) -> list[str]:
         return train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=every,
-                                        num_iterations=4))
+                                        num_iterations=4, sync_warmup_ratio=0))
 
     port = free_port()
-    procs = [spawn_node(2, n, port, flags(n, "1")) for n in range(2)]
+    procs = [spawn_node(2, n, port, flags(n, "4")) for n in range(2)]
     assert all(p.communicate(timeout=240)[0] is not None and p.returncode == 0 for p in procs)
     port = free_port()
-    procs = [spawn_node(2, n, port, flags(n, "4")) for n in range(2)]
+    procs = [spawn_node(2, n, port, flags(n, "1")) for n in range(2)]
     outs = [p.communicate(timeout=240)[0] for p in procs]
     assert all(p.returncode == 2 for p in procs), outs
-    assert "was trained with every step synchronous (--sync-every 1), this run asks for local steps" in outs[0]
+    assert "was trained with local steps (--sync-every above 1 or auto, past its --sync-warmup-ratio), this run " \
+           "asks for every step synchronous" in outs[0]
 
 
 def test_a_node_lost_mid_inner_phase_is_noticed_at_the_next_step(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
@@ -178,7 +227,8 @@ def test_a_node_lost_mid_inner_phase_is_noticed_at_the_next_step(tiny_data_dir, 
     port = free_port()
     procs = [spawn_node(2, n, port, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{n}",
                                                              sync_every=100, num_iterations=1000,
-                                                             checkpoint_every=0, collective_timeout=60)))
+                                                             checkpoint_every=0, collective_timeout=60,
+                                                             sync_warmup_ratio=0)))
              for n in range(2)]
     try:
         seen = read_until(procs[0], "step 00003", timeout=120)
@@ -209,6 +259,14 @@ def test_schedule_defers_what_falls_inside_an_inner_phase_to_its_boundary():
     assert [step for step in range(1, 31) if s.boundary(step)] == [2, 10, 18, 26, 30]
     assert [step for step in range(1, 31) if s.boundary(step) and s.due(5, step)] == [10, 18, 26, 30]
     assert OuterSchedule(2, None, 30).boundary(2) and not OuterSchedule(2, None, 30).boundary(10)
+
+
+def test_schedule_after_a_synchronous_warm_up_counts_from_its_end():
+    s = OuterSchedule(3 + 2, 2, 12, start=3)  # steps 1-3 synchronous (checkpointed at 3), then H = 2
+    assert [step for step in range(4, 13) if s.boundary(step)] == [5, 7, 9, 11, 12]
+    assert s.previous(5) == 3 and s.previous(9) == 7
+    assert not s.due(3, 5)  # step 3's checkpoint was the warm-up's: not taken again at 5
+    assert s.due(3, 7)  # step 6 fell in the phase 5-7
 
 
 def test_auto_keeps_the_sync_under_five_percent_and_says_when_capped():

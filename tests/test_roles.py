@@ -411,6 +411,7 @@ LOCALHOST_INV = """all:
         (["-e", "dtype=fp16"], "dtype=fp16 must be one of: auto, float32, bfloat16"),
         (["-e", "work_split=fast"], "work_split=fast must be one of: auto, even, inventory"),
         (["-e", "sync_every=0"], "sync_every=0 must be a positive integer or auto"),
+        (["-e", "sync_warmup_ratio=1"], "sync_warmup_ratio=1.0 must be in [0, 1) (with local steps"),
         (["-e", "train_device=cuda"], "train_device=cuda needs torch_variant cuNNN on every node; laptop"),
         (["-e", "lan_subnet=0.0.0.0/0"], "lan_subnet='0.0.0.0/0' is not inside a private range"),
         (["-e", "nproc_per_node=100"], "nproc_per_node=100 must be an integer from 1 to 64"),
@@ -480,7 +481,11 @@ def test_sync_every_and_the_outer_step_reach_the_trainer_flags(tmp_path: Path) -
     res = run_validate_on_localhost(tmp_path, {}, "-e", "sync_every=auto", "-e", "outer_lr=0.5")
     assert res.returncode == 0, res.stdout + res.stderr
     args = (tmp_path / "train_args").read_text()
-    assert "--sync-every auto --outer-lr 0.5 --outer-momentum 0.0" in args, args
+    assert "--sync-every auto --outer-lr 0.5 --outer-momentum 0.0 --sync-warmup-ratio 0.2" in args, args
+    res = run_validate_on_localhost(tmp_path, {}, "-e", "sync_every=8", "-e", "sync_warmup_ratio=0")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "--sync-every 8 --outer-lr 1.0 --outer-momentum 0.0 --sync-warmup-ratio 0 " in (
+        tmp_path / "train_args").read_text()
 
 
 def test_work_split_from_the_inventory_is_checked_per_host(tmp_path: Path) -> None:
