@@ -115,7 +115,7 @@ def log_rank_timings(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int
     cluster is any faster than its fastest node would be alone: said at the first timing step
     (returns True once said), loudly if it is not, and again at the last step (`at the end:`),
     from the warmed-up timings the run's summary reports. The times are one step's (with local steps:
-    the means over the inner phase that just ended, its outer sync included). Before step
+    the means over the inner phase that just ended, its outer sync included). Up to step
     `warm_up_until` (the synchronous warm-up of a run with local steps) the speed is said as that
     phase's only: the run's verdict waits for the local steps it is set to run."""
     mine = torch.tensor([compute_s, wait_s, step_s], dtype=torch.float64, device=env.device)
@@ -135,7 +135,7 @@ def log_rank_timings(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int
     tracker.log_metrics({**{f"{k}_ms_rank{r}": float(t[i]) * 1000 for r, t in enumerate(everyone)
                             for i, k in enumerate(("compute", "comm_wait"))},
                          "vs_fastest_node_est": est.vs_fastest, "slower_than_one_node": float(slower)}, step)
-    if step < warm_up_until:
+    if step <= warm_up_until:
         log(env, f"synchronous warm-up to step {warm_up_until}: cluster {est.cluster_tok_per_s:,.0f} tok/s = "
                  f"{est.vs_fastest:.2f}x what its fastest node would do alone (est.); the speed verdict follows "
                  f"the local steps from step {warm_up_until}")
