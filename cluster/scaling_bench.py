@@ -25,7 +25,8 @@ Tokens per step are set per depth (--tokens-per-step 4:3072,8:12288): the wire b
 fixed by the model, so a larger step hides them behind more compute.
 Sync `--sync-every 1` = every step synchronous (ZeRO-2); H > 1 = DiLoCo, the nodes train alone and
 meet every H steps; `auto` = the trainer picks H (column `h` = the H it used, from its
-`sync-every auto: H=` line). Solo runs are always --sync-every 1.
+`sync-every auto: H=` line). Solo runs are always --sync-every 1. The local rows start local steps at
+step 1 (--sync-warmup-ratio 0): a run's synchronous warm-up trains at the H = 1 row's speed.
 
 The measured window. With H = 1: the steps after --warmup-steps, averaged. With H > 1 only the
 boundary steps carry the outer sync (in their dt), so a mean over any steps would depend on how
@@ -282,7 +283,9 @@ def main() -> int:
     p.add_argument("--sync-every", type=lambda t: [sync_every_value(v) for v in t.split(",")], default=["1"],
                    help="comma list of --sync-every values for the cluster runs: 1, an integer H or auto")
     p.add_argument("--outer-lr", type=float, default=None, help="passed to the trainer (default: its own)")
-    p.add_argument("--sync-warmup-ratio", type=float, default=None, help="passed to the trainer (default: its own)")
+    p.add_argument("--sync-warmup-ratio", type=float, default=0.0,
+                   help="passed to the trainer (default 0: the local rows measure local steps; a run's synchronous "
+                        "warm-up trains at the H = 1 row's speed)")
     p.add_argument("--outer-momentum", type=float, default=None, help="passed to the trainer (default: its own)")
     p.add_argument("--steps", type=int, default=4, help="steps of a --sync-every 1 run")
     p.add_argument("--auto-steps", type=int, default=100, help="steps of a --sync-every auto run")

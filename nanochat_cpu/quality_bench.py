@@ -6,7 +6,8 @@
 
 Rows: `alone` = one node; `sync` = --nodes nodes with --sync-every 1 (every step synchronous,
 ZeRO-2); each H of --sync-every (default 8,32,auto) = the same nodes training alone for H steps
-between outer syncs (DiLoCo; auto: the trainer picks H, column `H used`). --rows picks some of
+between outer syncs (DiLoCo; auto: the trainer picks H, column `H used`), after the trainer's
+synchronous warm-up (--sync-warmup-ratio, its default unless given). --rows picks some of
 them. A node is one launcher (nanochat_cpu.launch --nnodes N --node-rank r --nproc-per-node 1)
 on loopback; the nodes share this host's cores, OMP_NUM_THREADS = max(1, cores // N) each, all
 of them for `alone`.
