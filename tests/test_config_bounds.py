@@ -37,7 +37,8 @@ def test_each_flag_has_an_upper_bound_named_with_value_and_fix(name: str, bound:
 
 def test_every_numeric_flag_is_bounded() -> None:
     numeric = {f.name for f in dataclasses.fields(TrainConfig) if f.type in ("int", "float")}
-    within_unit_range = {"warmup_ratio", "warmdown_ratio", "final_lr_frac", "outer_momentum"}  # [0, 1] already
+    within_unit_range = {"warmup_ratio", "warmdown_ratio", "final_lr_frac", "outer_momentum",
+                         "sync_warmup_ratio"}  # [0, 1] already
     assert numeric - within_unit_range == set(config.UPPER_BOUNDS)
 
 
