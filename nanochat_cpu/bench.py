@@ -4,6 +4,10 @@ One measurement (`--nproc N` launches torchrun itself):
     python -m nanochat_cpu.bench --depth 4 --nproc 2 --compile off
 The table in the README (depth 4 and 8, 1 and 2 processes, compile on and off):
     python -m nanochat_cpu.bench --table
+The three shapes measured against upstream nanochat (docs/BENCHMARKS.md), eager and compiled:
+    python -m nanochat_cpu.bench --shapes
+Every result names the CPU it ran on (model name, AVX2/AVX-512/AMX): figures from one CPU say
+little about another.
 
 Each step is timed in four parts, each synchronised, so the sum is the step:
 data (next batch), model (forward + backward), optimizer arithmetic, and communication
@@ -35,7 +39,7 @@ from .config import TrainConfig  # noqa: E402
 from .dist import init_distributed  # noqa: E402
 from .model import GPT, flops_per_token, model_config_from, parameter_breakdown  # noqa: E402
 from .optim import build_optimizer  # noqa: E402
-from .perf import measure_matmul_peak, peak_rss_mib, reuse_freed_memory, sync  # noqa: E402
+from .perf import cpu_model, measure_matmul_peak, peak_rss_mib, reuse_freed_memory, sync  # noqa: E402
 from .shm import make_arena  # noqa: E402
 from .train import autocast_for, resolve_muon_dtype  # noqa: E402
 
@@ -70,7 +74,8 @@ def worker(args: argparse.Namespace) -> None:
         vocab = args.vocab_size
         batches = SyntheticBatches(vocab, batch, args.max_seq_len, seed=rank)
     cfg = TrainConfig(device=args.device, depth=args.depth, max_seq_len=args.max_seq_len,
-                      muon_dtype=args.muon_dtype, grad_comm_dtype=args.comm_dtype, param_comm_dtype=args.comm_dtype)
+                      head_dim=args.head_dim, window_pattern=args.window_pattern, muon_dtype=args.muon_dtype,
+                      grad_comm_dtype=args.comm_dtype, param_comm_dtype=args.comm_dtype)
     model = GPT(model_config_from(args.depth, cfg.aspect_ratio, cfg.head_dim, vocab, args.max_seq_len,
                                   cfg.window_pattern))
     model.init_weights(0)
@@ -108,7 +113,8 @@ def worker(args: argparse.Namespace) -> None:
                          ("comm", opt.last_comm_wait), ("step", t3 - t0)):
                 times[k].append(v)
     mean = {k: sum(v) / len(v) for k, v in times.items()}
-    result = {"device": device.type, "dtype": args.dtype, "depth": args.depth, "nproc": world,
+    result = {"cpu": cpu_model(), "device": device.type, "dtype": args.dtype, "depth": args.depth,
+              "head_dim": args.head_dim, "window_pattern": args.window_pattern, "nproc": world,
               "compile": args.compile, "comm_dtype": args.comm_dtype,
               "local_comm": args.local_comm, "malloc": allocator,
               "vocab": vocab, "tokens_per_step": args.total_batch_size, "threads": torch.get_num_threads(),
@@ -135,7 +141,8 @@ def launch(args: argparse.Namespace, depth: int, nproc: int, compile_mode: str) 
     """Run one measurement in fresh processes (cold start included), return its result."""
     env = dict(os.environ)
     env["OMP_NUM_THREADS"] = str(max(1, args.cores // nproc))
-    common = ["--depth", str(depth), "--compile", compile_mode, "--steps", str(args.steps),
+    common = ["--depth", str(depth), "--head-dim", str(args.head_dim), "--window-pattern", args.window_pattern,
+              "--compile", compile_mode, "--steps", str(args.steps),
               "--warmup", str(args.warmup), "--max-seq-len", str(args.max_seq_len),
               "--total-batch-size", str(args.total_batch_size), "--vocab-size", str(args.vocab_size),
               "--muon-dtype", args.muon_dtype, "--overlap", args.overlap, "--comm-dtype", args.comm_dtype,
@@ -157,9 +164,18 @@ def launch(args: argparse.Namespace, depth: int, nproc: int, compile_mode: str) 
     raise RuntimeError(f"bench run failed ({' '.join(cmd)}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
 
 
+# name: (depth, head_dim, window pattern, tokens a step), seq 512 and a 32,768 vocabulary; the last
+# is upstream nanochat's own CPU recipe (runs/runcpu.sh: one micro-step of 32 rows)
+SHAPES = {
+    "d4-1k": (4, 128, "SSSL", 1024),
+    "d8-1k": (8, 128, "SSSL", 1024),
+    "d6-16k": (6, 64, "L", 16384),
+}
+
+
 def print_table(rows: list[dict]) -> None:
-    cols = ["depth", "nproc", "compile", "tok_per_s", "mfu_pct", "step_ms", "model_ms", "optim_ms", "comm_ms",
-            "data_ms", "first_step_s", "peak_rss_mib_per_rank"]
+    cols = ["depth", "head_dim", "window_pattern", "tokens_per_step", "nproc", "compile", "tok_per_s", "mfu_pct",
+            "step_ms", "model_ms", "optim_ms", "comm_ms", "data_ms", "first_step_s", "peak_rss_mib_per_rank"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in rows:
@@ -178,6 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--max-seq-len", type=int, default=512)
+    p.add_argument("--head-dim", type=int, default=128, help="the trainer's --head-dim (upstream's runcpu.sh: 64)")
+    p.add_argument("--window-pattern", default="SSSL", help="the trainer's --window-pattern (runcpu.sh: L)")
     p.add_argument("--total-batch-size", type=int, default=1024)
     p.add_argument("--vocab-size", type=int, default=32768, help="nanochat's vocabulary, for comparison")
     p.add_argument("--muon-dtype", choices=("auto", "float32", "bfloat16"), default="auto")
@@ -191,6 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokenizer-dir", default=None)
     p.add_argument("--cores", type=int, default=os.cpu_count() or 1, help="threads split over the processes")
     p.add_argument("--table", action="store_true", help="depth 4/8 x 1/2 processes x compile on/off")
+    p.add_argument("--shapes", action="store_true", help=f"one process, compile off/on, at {', '.join(SHAPES)}")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -198,6 +217,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"or measure with --device cpu)")
     if args.worker:
         worker(args)
+        return 0
+    if args.shapes:
+        rows = []
+        for depth, head_dim, pattern, tokens in SHAPES.values():
+            shape = argparse.Namespace(**{**vars(args), "head_dim": head_dim, "window_pattern": pattern,
+                                          "total_batch_size": tokens})
+            for compile_mode in ("off", "on"):
+                rows.append(launch(shape, depth, 1, compile_mode))
+                print(f"# {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+        print(f"CPU: {rows[0]['cpu']}")
+        print_table(rows)
         return 0
     if not args.table:
         print(json.dumps(launch(args, args.depth, args.nproc, args.compile)))
@@ -210,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
             for compile_mode in ("off", "on"):
                 rows.append(launch(args, depth, nproc, compile_mode))
                 print(f"# {json.dumps(rows[-1])}", file=sys.stderr, flush=True)
+    print(f"CPU: {rows[0]['cpu']}")
     print_table(rows)
     return 0
 

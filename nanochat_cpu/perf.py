@@ -27,6 +27,24 @@ def cpu_flags() -> set[str]:
     return set()
 
 
+def cpu_model() -> str:
+    """The CPU's model name and the vector extensions that decide its speed, e.g. `AMD EPYC
+    (avx2; no avx512, no amx)`: benchmark figures name the machine they come from."""
+    name = "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    name = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    flags = cpu_flags()
+    have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+    lack = [f for f, prefix in (("avx512", "avx512f"), ("amx", "amx_")) if not any(x.startswith(prefix) for x in flags)]
+    return f"{name} ({', '.join(have) or 'no avx2'}{'; no ' + ', no '.join(lack) if lack else ''})"
+
+
 def cpu_has_native_bf16() -> bool:
     flags = cpu_flags()
     return "avx512_bf16" in flags or "amx_bf16" in flags
