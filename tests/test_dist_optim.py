@@ -221,3 +221,24 @@ def test_adamw_step_counts_live_on_the_parameters_device(monkeypatch):
     p.grad = torch.zeros_like(p)
     opt.step()
     assert seen == [{"meta"}]
+
+
+@pytest.mark.parametrize("shape", [(3, 64, 256), (3, 256, 64), (2, 48, 100)])
+def test_newton_schulz_through_the_gram_matrix_equals_the_plain_iteration(shape, monkeypatch):
+    """Wide matrices are orthogonalised on their small Gram matrix (optim.orthogonalize_via_gram):
+    the same polynomial iteration, so the same result up to fp32 rounding, also for a gradient of
+    low rank, whose small singular values the iteration amplifies most."""
+    from nanochat_cpu import optim
+
+    gen = torch.Generator().manual_seed(0)
+    low_rank = torch.randn(shape[0], shape[1], 4, generator=gen) @ torch.randn(shape[0], 4, shape[2], generator=gen)
+    full_rank = torch.randn(shape, generator=gen)
+    for g in (full_rank, low_rank + 0.01 * torch.randn(shape, generator=gen)):
+        via_gram = optim.orthogonalize(g, torch.float32)
+        monkeypatch.setattr(optim, "GRAM_ASPECT", float("inf"))  # every matrix the plain way
+        plain = optim.orthogonalize(g, torch.float32)
+        monkeypatch.undo()
+        assert (via_gram - plain).abs().max() <= 1e-3 * plain.abs().max()
+    # the iteration's own promise for a full-rank gradient: singular values in roughly [0.7, 1.2]
+    s = torch.linalg.svdvals(optim.orthogonalize(full_rank, torch.float32))
+    assert s.min() > 0.5 and s.max() < 1.3
