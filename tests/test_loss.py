@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from nanochat_cpu import loss
 from nanochat_cpu.loss import IGNORE_INDEX, softcapped_cross_entropy
 
 CAP = 15.0
@@ -39,6 +40,23 @@ def test_loss_and_gradients_match_the_plain_form(dtype, cap):
     for g, ref in ((got_gx, want_gx), (got_gw, want_gw)):
         assert g.dtype == torch.float32
         assert (g - ref).abs().max() <= tol * ref.abs().max()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_of_logits_give_the_same_loss_and_gradients(monkeypatch, dtype):
+    """At 16,384 tokens a step the logits are made a block of rows at a time: 300 rows in blocks of
+    128, 128 and 44 must give what one block gives, the weight's gradient summed over the blocks."""
+    x, w, y = inputs()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
+        want = plain(x, w, y)
+        monkeypatch.setattr(loss, "LOGITS_BLOCK_ELEMENTS", 128 * w.size(0))
+        got = softcapped_cross_entropy(x, w, y, CAP)
+    want_gx, want_gw = torch.autograd.grad(want * 0.5, (x, w))
+    got_gx, got_gw = torch.autograd.grad(got * 0.5, (x, w))
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+    for g, ref in ((got_gx, want_gx), (got_gw, want_gw)):
+        assert g.dtype == torch.float32 and (g - ref).abs().max() <= tol * ref.abs().max()
 
 
 def test_chunks_cover_every_row_and_the_per_position_form_matches(monkeypatch):
