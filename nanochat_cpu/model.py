@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from .grad_target import linear
 from .loss import softcapped_cross_entropy
+from .relu_squared import relu_squared
 
 LOGIT_SOFTCAP = 15.0
 VE_GATE_CHANNELS = 32
@@ -146,7 +147,7 @@ class MLP(nn.Module):
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=False)
 
     def forward(self, x):
-        return linear(F.relu(linear(x, self.c_fc.weight)).square(), self.c_proj.weight)
+        return linear(relu_squared(linear(x, self.c_fc.weight)), self.c_proj.weight)
 
 
 class Block(nn.Module):
