@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import shutil
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -331,6 +332,11 @@ def validate_shape(cfg: TrainConfig) -> None:
                                                              f"--aspect-ratio or --head-dim")
 
 
+def cxx_compiler() -> str | None:
+    """The C++ compiler torch.compile's CPU backend would run (inductor: $CXX, else g++), if any."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
 def host_problems(cfg: TrainConfig, create: bool = True) -> list[str]:
     """This host's paths: the one part of the input that can differ between the ranks' hosts.
 
@@ -344,6 +350,10 @@ def host_problems(cfg: TrainConfig, create: bool = True) -> list[str]:
         path = getattr(cfg, name)
         if not os.path.isdir(path):
             problems.append(f"--{name.replace('_', '-')}={path}: no such directory (run site.yml to push it)")
+    if cfg.compile == "on" and cfg.device == "cpu" and not cxx_compiler():
+        problems.append(f"--compile on: no C++ compiler ({os.environ.get('CXX', 'g++')}) on this host, and "
+                        f"torch.compile's CPU code is C++ it compiles: install g++, or use --compile auto "
+                        f"(eager without one) or off")
     # checkpoints go here: find out now, not at the first checkpoint, that they cannot
     where = cfg.out_dir
     if create:

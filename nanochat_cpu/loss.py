@@ -10,8 +10,8 @@ loss is the last operation of the graph, so its gradient is known in the forward
 makes a block's logits with one GEMM, walks them in cache-sized row chunks that turn them, in
 place, into dLoss/dlogits, and runs the head's two gradient GEMMs on them straight away. So no
 (tokens x vocab) buffer outlives its block: at 16,384 tokens a step and a 32,768 vocabulary the
-logits would be 2 GiB, kept from the forward to the backward (measured: peak RSS 8.95 -> 7.28 GB
-at depth 6). backward() only scales the two gradients by the incoming one. Same GEMMs as
+logits would be 2 GiB, kept from the forward to the backward (measured at depth 6: peak RSS
+8,951 -> 7,283 MiB). backward() only scales the two gradients by the incoming one. Same GEMMs as
 autograd, and the elementwise work runs on chunks that sit in cache. torch.compile fuses the
 plain form itself, so compiled models keep it.
 """

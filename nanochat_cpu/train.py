@@ -28,11 +28,13 @@ import torch
 import torch.distributed as dist
 
 from . import __version__, checkpoint, fingerprint
+from .compile_choice import TIMED_STEPS, CompileChoice
 from .config import (
     NEVER,
     ConfigError,
     TrainConfig,
     config_hash,
+    cxx_compiler,
     grad_accum_steps,
     host_problems,
     parse_config,
@@ -103,16 +105,17 @@ def resolve_muon_dtype(cfg: TrainConfig) -> tuple[torch.dtype, str]:
     return torch.float32, "auto: CPU lacks native bf16"
 
 
-def resolve_compile(cfg: TrainConfig) -> tuple[bool, str]:
-    if cfg.compile == "on":
-        return True, "requested --compile on"
-    if cfg.compile == "off":
-        return False, "requested --compile off"
+def resolve_compile(cfg: TrainConfig) -> tuple[str, str]:
+    """--compile's mode for CompileChoice ("on", "off", or "auto": measured on the run) and why."""
+    if cfg.compile != "auto":
+        return cfg.compile, f"requested --compile {cfg.compile}"
     if cfg.device == "cuda":
-        return True, "auto: compile pays off on CUDA"
-    # Measured on a 2-core Zen 4 (README, bench table): a cold compile costs ~60 s and the eager
-    # model is within a few % of the compiled one at these sizes, so eager wins on CPU.
-    return False, "auto: eager on CPU (compiled was not faster in bench, and costs ~60 s cold)"
+        return "on", "auto: compile pays off on CUDA"
+    if not cxx_compiler():
+        return "off", (f"auto: no C++ compiler ({os.environ.get('CXX', 'g++')}) on this host for "
+                       f"torch.compile's CPU code; install g++ to let auto measure it")
+    return "auto", (f"auto: eager steps 2-{1 + TIMED_STEPS} are timed, then compiled ones if the run is long "
+                    f"enough to pay for a compile; the faster runs the rest")
 
 
 def autocast_for(device: torch.device, dtype: torch.dtype):
@@ -427,12 +430,12 @@ class PhaseTimes:
 # ---- the run -------------------------------------------------------------------------------------
 
 def banner(env: DistEnv, cfg: TrainConfig, dtype_why: str, muon_why: str, compile_why: str,
-           ctx_dtype: torch.dtype, muon_dtype: torch.dtype, compiled: bool, allocator: str) -> None:
+           ctx_dtype: torch.dtype, muon_dtype: torch.dtype, compile_mode: str, allocator: str) -> None:
     attention = "SDPA (torch.nn.functional.scaled_dot_product_attention), sliding windows as boolean masks"
     log(env, f"nanochat_cpu {__version__} torch {torch.__version__} | device={env.device} "
              f"backend={env.backend or 'none (single process)'} dtype={ctx_dtype} ({dtype_why}) | "
              f"attention={attention} | muon_dtype={muon_dtype} ({muon_why}) | "
-             f"compile={'on' if compiled else 'off'} ({compile_why}) | threads={torch.get_num_threads()} "
+             f"compile={compile_mode} ({compile_why}) | threads={torch.get_num_threads()} "
              f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', 'unset')} "
              f"GLOO_SOCKET_IFNAME={os.environ.get('GLOO_SOCKET_IFNAME', 'unset')} | "
              f"cuda_available={torch.cuda.is_available()} (ignored unless --device cuda) | "
@@ -448,7 +451,7 @@ def run(cfg: TrainConfig) -> int:
     except ConfigError as exc:
         fail(None, EXIT_CONFIG, str(exc))
     muon_dtype, muon_why = resolve_muon_dtype(cfg)
-    compiled, compile_why = resolve_compile(cfg)
+    compile_mode, compile_why = resolve_compile(cfg)
     torch.manual_seed(cfg.seed)
     problems, tokenizer = host_inputs(cfg)
     if problems and world_size == 1:
@@ -463,7 +466,7 @@ def run(cfg: TrainConfig) -> int:
     stop = GracefulStop(env)
     problems, lacking_bf16 = gather_host_facts(env, watchdog, problems, cpu_has_native_bf16())
     ctx_dtype, dtype_why = resolve_dtype(cfg, lacking_bf16)
-    banner(env, cfg, dtype_why, muon_why, compile_why, ctx_dtype, muon_dtype, compiled, allocator)
+    banner(env, cfg, dtype_why, muon_why, compile_why, ctx_dtype, muon_dtype, compile_mode, allocator)
     if problems:
         fail(env, EXIT_CONFIG, "bad inputs, no rank starts: " + " | ".join(problems))
 
@@ -492,7 +495,10 @@ def run(cfg: TrainConfig) -> int:
     if env.master:
         log(env, f"batch: {cfg.total_batch_size:,} tokens/step = {accum} micro-steps x rows {sizes} x "
                  f"{cfg.max_seq_len} tokens")
-    train_model = torch.compile(model, dynamic=False) if compiled else model
+    compiling = CompileChoice(model, compile_mode, compile_why, cfg.num_iterations, opt.group, env.distributed)
+    resumed_choice = compiling.resume(extra.get("compile"))
+    if resumed_choice and env.master:
+        log(env, resumed_choice)
     loader = TokenLoader(cfg.data_dir, tokenizer, "train", sizes[env.rank], cfg.max_seq_len, env.rank,
                          env.world_size, state=loader_state)
     peak = measure_matmul_peak(env.device, ctx_dtype)
@@ -517,9 +523,14 @@ def run(cfg: TrainConfig) -> int:
     clock = StepClock(cfg.num_iterations, time.perf_counter())  # this process's steps only, also when resumed
     while step < cfg.num_iterations and not stopping:
         t0 = time.perf_counter()
-        loss_sum = accumulate_gradients(cfg, env, train_model, loader, opt, ctx, accum, loss_scale, step)
+        loss_sum = accumulate_gradients(cfg, env, compiling.model_for_step(), loader, opt, ctx, accum, loss_scale,
+                                        step)
         sync(env.device)  # CUDA queues work: time what ran, not what was queued
         t_compute = time.perf_counter() - t0
+        with watchdog.phase("--compile auto: the ranks' step times", step + 1):
+            decision = compiling.record(step + 1, t_compute)
+        if decision and env.master:
+            log(env, decision)
         mult = lr_multiplier(cfg, step)
         for g in opt.groups:
             g.lr_multiplier = mult
@@ -570,7 +581,7 @@ def run(cfg: TrainConfig) -> int:
         warmed_up = diloco is None and nodes is not None and step == warm_until and not last
         if schedule.due(cfg.checkpoint_every, step) or last or stopping or warmed_up:
             extra = {"mlflow_run_id": tracker.run_id, "rank_batch_sizes": sizes, "tokenizer_sha256": tokenizer_sha,
-                     "vocab_size": tokenizer.vocab_size}
+                     "vocab_size": tokenizer.vocab_size, "compile": compiling.state_dict()}
             if diloco is not None:  # at a boundary: the model is theta_global; the outer momentum, the chosen H
                 extra |= {"outer": diloco.state_dict(),
                           "sync_schedule": {"first": schedule.first, "every": schedule.every}}

@@ -1,0 +1,140 @@
+"""`--compile auto`: compiled or eager, decided by timing both on the run's own shapes and machine.
+
+Whether torch.compile pays off on a CPU depends on the shapes (tokens a step, width, vocabulary)
+and on the CPU itself: on a 2-core Xeon with AMX it was slower than our eager model at 1,024
+tokens a step, and a cold compile costs a minute or more, which is everything to a 20-step demo
+and nothing to a four-day run. So auto decides from measurements, taken from the run's own steps
+(every one of them trains; nothing is thrown away):
+
+1. eager steps 2 .. 1 + TIMED_STEPS are timed (step 1 pays for first-touch allocations);
+2. if what is left of the run, at the eager speed, is under PAYBACK x the compile's cost, the run
+   stays eager: a compile could not pay for itself;
+3. otherwise the next step compiles (its time, less an eager step, is the compile's cost, logged)
+   and the TIMED_STEPS after it are timed compiled;
+4. the faster wins for the rest of the run, compiled only if faster by more than MARGIN. The ranks
+   that step together decide together (the slowest rank's times count), so every rank of an
+   optimizer runs the same kind of model.
+
+The compile's cost estimate is COLD_COMPILE_S before one has run; the choice is kept in the
+checkpoint, so a resumed run takes it again at once (and its compile cache, which the unit keeps
+with the run, makes the recompile short).
+
+Only the forward and backward are timed: the optimizer is never compiled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+TIMED_STEPS = 3
+# A cold compile of the model on a 2-core CPU: 30-70 s measured at depth 4-8 (docs/BENCHMARKS.md),
+# taken high so that a run too short to gain is not made to compile
+COLD_COMPILE_S = 90.0
+PAYBACK = 10  # compile only where the rest of the run is at least 10 compiles long
+MARGIN = 0.02  # compiled must be 2% faster: within that the timings cannot tell them apart
+
+
+def compiled_pays(eager_s: float, compiled_s: float) -> bool:
+    """The decision itself: is the compiled step faster by more than the margin?"""
+    return compiled_s < eager_s * (1 - MARGIN)
+
+
+def worth_trying(eager_s: float, steps_left: int, compile_s: float = COLD_COMPILE_S) -> bool:
+    """Could a compile pay for itself in what is left of the run?"""
+    return steps_left * eager_s >= PAYBACK * compile_s
+
+
+@dataclass
+class CompileChoice:
+    """The state of --compile's decision: the model to run each step, and what was measured."""
+
+    model: torch.nn.Module
+    mode: str  # "on", "off" or "auto"
+    why: str  # the mode's reason, for the banner; then the decision's
+    num_iterations: int
+    group: dist.ProcessGroup | None = None  # the ranks that step together; None: one process
+    distributed: bool = False
+    decided: bool | None = None  # None while auto measures; then compiled or not
+    eager: list[float] = field(default_factory=list)
+    compiled: list[float] = field(default_factory=list)
+    compile_s: float | None = None
+    _compiled_model: torch.nn.Module | None = None
+    _seen_eager = 0
+    _seen_compiled = 0
+
+    def __post_init__(self) -> None:
+        if self.mode != "auto":
+            self.decided = self.mode == "on"
+
+    def resume(self, saved: dict | None) -> str | None:
+        """A choice an earlier part of this run made (from its checkpoint), taken again at once;
+        returns the line to log."""
+        if self.mode != "auto" or saved is None:
+            return None
+        self.decided, self.why = bool(saved["compiled"]), saved["why"]
+        return f"compile {'on' if self.decided else 'off'} ({self.why}; chosen earlier in this run, kept on resume)"
+
+    def state_dict(self) -> dict | None:
+        return None if self.mode != "auto" or self.decided is None else {"compiled": self.decided, "why": self.why}
+
+    @property
+    def compiling(self) -> bool:
+        """Whether the model in use is (or is being) compiled."""
+        return self.decided is True or (self.decided is None and len(self.eager) == TIMED_STEPS
+                                        and self._compiled_model is not None)
+
+    def model_for_step(self) -> torch.nn.Module:
+        if self.compiling:
+            if self._compiled_model is None:
+                self._compiled_model = torch.compile(self.model, dynamic=False)
+            return self._compiled_model
+        return self.model
+
+    def record(self, step: int, compute_s: float) -> str | None:
+        """Step `step`'s forward+backward seconds (steps count from 1); returns a line to log when a
+        decision is made."""
+        if self.decided is not None:
+            return None
+        if not self.compiling:
+            self._seen_eager += 1
+            if self._seen_eager > 1:  # the first step allocates; it is not the eager speed
+                self.eager.append(compute_s)
+            if len(self.eager) < TIMED_STEPS:
+                return None
+            eager_s = self._agreed(self.eager)
+            self.eager = [eager_s] * TIMED_STEPS
+            if not worth_trying(eager_s, self.num_iterations - step):
+                return self._decide(False, f"eager {eager_s:.2f} s/step; the {self.num_iterations - step} steps "
+                                           f"left take {(self.num_iterations - step) * eager_s / 60:.1f} min, "
+                                           f"under {PAYBACK}x a compile (~{COLD_COMPILE_S:.0f} s): not tried")
+            self._compiled_model = torch.compile(self.model, dynamic=False)
+            return (f"compile auto: eager {eager_s:.2f} s/step over steps {step - TIMED_STEPS + 1}-{step}; "
+                    f"compiling to time it against eager")
+        self._seen_compiled += 1
+        if self._seen_compiled == 1:  # the step that compiled
+            self.compile_s = max(0.0, compute_s - self.eager[0])
+            return None
+        self.compiled.append(compute_s)
+        if len(self.compiled) < TIMED_STEPS:
+            return None
+        eager_s, compiled_s = self.eager[0], self._agreed(self.compiled)
+        verdict = compiled_pays(eager_s, compiled_s)
+        return self._decide(verdict, f"measured on this run: eager {eager_s:.2f} s/step, compiled {compiled_s:.2f} "
+                                     f"s/step (compile took {self.compile_s:.0f} s): "
+                                     f"{'compiled' if verdict else 'eager'} for the rest")
+
+    def _agreed(self, times: list[float]) -> float:
+        """The mean of this rank's times, the slowest rank's where ranks step together."""
+        mean = torch.tensor(sum(times) / len(times), dtype=torch.float64)
+        if self.distributed:
+            dist.all_reduce(mean, op=dist.ReduceOp.MAX, group=self.group)
+        return float(mean)
+
+    def _decide(self, compiled: bool, why: str) -> str:
+        self.decided, self.why = compiled, f"auto: {why}"
+        if not compiled:
+            self._compiled_model = None
+        return f"compile {'on' if compiled else 'off'} ({self.why})"
