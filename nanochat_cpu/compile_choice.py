@@ -8,12 +8,17 @@ and nothing to a four-day run. So auto decides from measurements, taken from the
 
 1. eager steps 2 .. 1 + TIMED_STEPS are timed (step 1 pays for first-touch allocations);
 2. if what is left of the run, at the eager speed, is under PAYBACK x the compile's cost, the run
-   stays eager: a compile could not pay for itself;
-3. otherwise the next step compiles (its time, less an eager step, is the compile's cost, logged)
-   and the TIMED_STEPS after it are timed compiled;
-4. the faster wins for the rest of the run, compiled only if faster by more than MARGIN. The ranks
-   that step together decide together (the slowest rank's times count), so every rank of an
-   optimizer runs the same kind of model.
+   stays eager: a compile could not pay for itself; so it does where the host's free memory could
+   not hold the compiled model's activations (COMPILED_RSS_FACTOR x the peak so far: measured
+   2.15x at depth 6 and 16,384 tokens a step, where the compiler keeps more than our eager model);
+3. otherwise, between two steps, the compiled model runs a forward and backward of random tokens
+   (`trial`: the compile, timed, with nothing trained and nothing sent; its gradients are
+   dropped). A compile that fails (no Python headers, a sandbox) leaves the run eager, with the
+   error in the journal, instead of failing a step;
+4. the TIMED_STEPS steps after the first compiled one are timed, and the faster wins for the rest
+   of the run, compiled only if faster by more than MARGIN. The ranks that step together decide
+   together (the slowest rank's times count, any rank's failure stops the trial), so every rank of
+   an optimizer runs the same kind of model.
 
 The compile's cost estimate is COLD_COMPILE_S before one has run; the choice is kept in the
 checkpoint, so a resumed run takes it again at once (and its compile cache, which the unit keeps
@@ -24,10 +29,14 @@ Only the forward and backward are timed: the optimizer is never compiled.
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+
+from .perf import available_memory_mib, peak_rss_mib
 
 TIMED_STEPS = 3
 # A cold compile of the model on a 2-core CPU: 30-70 s measured at depth 4-8 (docs/BENCHMARKS.md),
@@ -35,6 +44,7 @@ TIMED_STEPS = 3
 COLD_COMPILE_S = 90.0
 PAYBACK = 10  # compile only where the rest of the run is at least 10 compiles long
 MARGIN = 0.02  # compiled must be 2% faster: within that the timings cannot tell them apart
+COMPILED_RSS_FACTOR = 2.2  # compiled peak RSS / eager, measured 2.15 at depth 6, 16,384 tokens a step
 
 
 def compiled_pays(eager_s: float, compiled_s: float) -> bool:
@@ -57,10 +67,12 @@ class CompileChoice:
     num_iterations: int
     group: dist.ProcessGroup | None = None  # the ranks that step together; None: one process
     distributed: bool = False
+    ranks_on_host: int = 1  # their memory comes out of one host's
     decided: bool | None = None  # None while auto measures; then compiled or not
     eager: list[float] = field(default_factory=list)
     compiled: list[float] = field(default_factory=list)
     compile_s: float | None = None
+    wants_trial: bool = False  # the eager steps say try: `trial` before the next step
     _compiled_model: torch.nn.Module | None = None
     _seen_eager = 0
     _seen_compiled = 0
@@ -83,8 +95,7 @@ class CompileChoice:
     @property
     def compiling(self) -> bool:
         """Whether the model in use is (or is being) compiled."""
-        return self.decided is True or (self.decided is None and len(self.eager) == TIMED_STEPS
-                                        and self._compiled_model is not None)
+        return self.decided is True or (self.decided is None and self.compile_s is not None)
 
     def model_for_step(self) -> torch.nn.Module:
         if self.compiling:
@@ -110,12 +121,10 @@ class CompileChoice:
                 return self._decide(False, f"eager {eager_s:.2f} s/step; the {self.num_iterations - step} steps "
                                            f"left take {(self.num_iterations - step) * eager_s / 60:.1f} min, "
                                            f"under {PAYBACK}x a compile (~{COLD_COMPILE_S:.0f} s): not tried")
-            self._compiled_model = torch.compile(self.model, dynamic=False)
-            return (f"compile auto: eager {eager_s:.2f} s/step over steps {step - TIMED_STEPS + 1}-{step}; "
-                    f"compiling to time it against eager")
+            self.wants_trial = True
+            return None
         self._seen_compiled += 1
-        if self._seen_compiled == 1:  # the step that compiled
-            self.compile_s = max(0.0, compute_s - self.eager[0])
+        if self._seen_compiled == 1:  # the first compiled step may still specialise: not timed
             return None
         self.compiled.append(compute_s)
         if len(self.compiled) < TIMED_STEPS:
@@ -125,6 +134,33 @@ class CompileChoice:
         return self._decide(verdict, f"measured on this run: eager {eager_s:.2f} s/step, compiled {compiled_s:.2f} "
                                      f"s/step (compile took {self.compile_s:.0f} s): "
                                      f"{'compiled' if verdict else 'eager'} for the rest")
+
+    def trial(self, step: int, run: Callable[[torch.nn.Module], None]) -> str:
+        """Compile between steps: `run(compiled_model)` does a forward and backward whose gradients
+        the caller drops. Returns the line to log; the run stays eager if any rank cannot."""
+        self.wants_trial = False
+        eager_s = self.eager[0]
+        need = (COMPILED_RSS_FACTOR - 1) * peak_rss_mib() * self.ranks_on_host
+        free = available_memory_mib()
+        problem = ""
+        if free is not None and free < need:
+            problem = (f"a compiled model needs ~{COMPILED_RSS_FACTOR}x the memory of eager: ~{need / 1024:.1f} GiB "
+                       f"more on this host, {free / 1024:.1f} GiB free")
+        else:
+            compiled = torch.compile(self.model, dynamic=False)
+            t0 = time.perf_counter()
+            try:
+                run(compiled)
+                self._compiled_model, self.compile_s = compiled, time.perf_counter() - t0
+            except Exception as exc:  # noqa: BLE001 - any compiler failure means: stay eager, say why
+                problem = f"compiling failed ({type(exc).__name__}: {str(exc).strip().splitlines()[0][:200]})"
+        failed = self._agreed([1.0 if problem else 0.0])  # a failure anywhere stops every rank's trial
+        if failed:
+            self.compile_s = None
+            return self._decide(False, f"eager {eager_s:.2f} s/step; not compiled: "
+                                       f"{problem or 'another rank could not compile'}")
+        return (f"compile auto: eager {eager_s:.2f} s/step over steps {step - TIMED_STEPS + 1}-{step}; compiled in "
+                f"{self.compile_s:.0f} s, now timing compiled steps against it")
 
     def _agreed(self, times: list[float]) -> float:
         """The mean of this rank's times, the slowest rank's where ranks step together."""

@@ -105,6 +105,28 @@ def peak_rss_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def available_memory_mib() -> float | None:
+    """Memory this process could still take: the kernel's MemAvailable, or less where the cgroup
+    (a systemd unit's MemoryMax) leaves less. None where neither can be read."""
+    free = None
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    free = int(line.split()[1]) / 1024
+    except (OSError, ValueError):
+        pass
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f, open("/sys/fs/cgroup/memory.current") as g:
+            limit = f.read().strip()
+            if limit != "max":
+                left = (int(limit) - int(g.read())) / 2**20
+                free = left if free is None else min(free, left)
+    except (OSError, ValueError):
+        pass
+    return free
+
+
 def physical_cores() -> int:
     """Physical cores (not SMT siblings) available to this process."""
     allowed = os.sched_getaffinity(0)

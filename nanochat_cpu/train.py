@@ -185,19 +185,21 @@ def host_inputs(cfg: TrainConfig) -> tuple[list[str], Tokenizer | None]:
     return problems, tokenizer
 
 
-def gather_host_facts(env: DistEnv, watchdog: Watchdog, problems: list[str], native_bf16: bool,
-                      ) -> tuple[list[str], list[str]]:
-    """Every rank's input problems and the ranks whose CPU lacks native bf16, each naming its host:
+def gather_host_facts(env: DistEnv, watchdog: Watchdog, problems: list[str], native_bf16: bool, compile_mode: str,
+                      ) -> tuple[list[str], list[str], list[str]]:
+    """Every rank's input problems, the ranks whose CPU lacks native bf16, and the ranks whose
+    --compile is not measured (on, off, or auto without a C++ compiler), each naming its host:
     every rank stops if any host lacks its inputs."""
     lacking_bf16 = [] if native_bf16 else [f"rank 0@{env.host}"]
     if not env.distributed:
-        return problems, lacking_bf16
-    everyone: list[tuple[list[str], bool] | None] = [None] * env.world_size
+        return problems, lacking_bf16, []
+    everyone: list[tuple[list[str], bool, str] | None] = [None] * env.world_size
     with watchdog.phase("all_gather input check", 0):
-        dist.all_gather_object(everyone, (problems, native_bf16))
-    problems = [f"rank {r}@{env.hosts[r]}: {p}" for r, (ps, _) in enumerate(everyone) for p in ps]
-    lacking_bf16 = [f"rank {r}@{env.hosts[r]}" for r, (_, native) in enumerate(everyone) if not native]
-    return problems, lacking_bf16
+        dist.all_gather_object(everyone, (problems, native_bf16, compile_mode))
+    problems = [f"rank {r}@{env.hosts[r]}: {p}" for r, (ps, _, _) in enumerate(everyone) for p in ps]
+    lacking_bf16 = [f"rank {r}@{env.hosts[r]}" for r, (_, native, _) in enumerate(everyone) if not native]
+    unmeasured = [f"rank {r}@{env.hosts[r]} ({mode})" for r, (_, _, mode) in enumerate(everyone) if mode != "auto"]
+    return problems, lacking_bf16, unmeasured
 
 
 def agree_on_inputs(cfg: TrainConfig, env: DistEnv, watchdog: Watchdog) -> str:
@@ -382,6 +384,15 @@ def accumulate_gradients(cfg: TrainConfig, env: DistEnv, train_model, loader: To
     return loss_sum
 
 
+def compile_trial(compiled, cfg: TrainConfig, env: DistEnv, ctx, rows: int, vocab: int) -> None:
+    """One forward and backward of the compiled model on random tokens of the step's shape: the
+    compile, before a real step depends on it (the caller drops the gradients)."""
+    x, y = (torch.randint(0, vocab, (rows, cfg.max_seq_len), device=env.device) for _ in range(2))
+    with ctx:
+        loss = compiled(x, y)
+    loss.backward()
+
+
 def log_step(cfg: TrainConfig, env: DistEnv, tracker: Tracker, progress: Progress, train_loss: float, mult: float,
              dt: float, t_compute: float, comm_wait: float, fpt: int, peak: float) -> None:
     tok_per_s = cfg.total_batch_size / dt
@@ -464,7 +475,11 @@ def run(cfg: TrainConfig) -> int:
         fail(None, EXIT_CONFIG, str(exc))
     watchdog = Watchdog(env, cfg.collective_timeout + WATCHDOG_GRACE_S)
     stop = GracefulStop(env)
-    problems, lacking_bf16 = gather_host_facts(env, watchdog, problems, cpu_has_native_bf16())
+    problems, lacking_bf16, unmeasured = gather_host_facts(env, watchdog, problems, cpu_has_native_bf16(),
+                                                           compile_mode)
+    if compile_mode == "auto" and unmeasured:  # the measurement is a collective: every rank or none
+        compile_mode, compile_why = "off", (f"auto: eager, as {', '.join(unmeasured[:3])} will not time "
+                                            f"compiled steps, and auto's ranks decide together")
     ctx_dtype, dtype_why = resolve_dtype(cfg, lacking_bf16)
     banner(env, cfg, dtype_why, muon_why, compile_why, ctx_dtype, muon_dtype, compile_mode, allocator)
     if problems:
@@ -495,7 +510,8 @@ def run(cfg: TrainConfig) -> int:
     if env.master:
         log(env, f"batch: {cfg.total_batch_size:,} tokens/step = {accum} micro-steps x rows {sizes} x "
                  f"{cfg.max_seq_len} tokens")
-    compiling = CompileChoice(model, compile_mode, compile_why, cfg.num_iterations, opt.group, env.distributed)
+    compiling = CompileChoice(model, compile_mode, compile_why, cfg.num_iterations, opt.group, env.distributed,
+                              ranks_on_host=env.hosts.count(env.host) if env.hosts else 1)
     resumed_choice = compiling.resume(extra.get("compile"))
     if resumed_choice and env.master:
         log(env, resumed_choice)
@@ -522,6 +538,13 @@ def run(cfg: TrainConfig) -> int:
     stopping = stop.agreed(step, watchdog)  # SIGTERM while the run was being set up
     clock = StepClock(cfg.num_iterations, time.perf_counter())  # this process's steps only, also when resumed
     while step < cfg.num_iterations and not stopping:
+        if compiling.wants_trial:  # between two steps, untimed: nothing of it is trained, nothing is sent
+            with watchdog.phase("--compile auto: compiling, then the ranks' agreement", step):
+                line = compiling.trial(step, lambda compiled: compile_trial(compiled, cfg, env, ctx, sizes[env.rank],
+                                                                            tokenizer.vocab_size))
+            opt.zero_grad()
+            if env.master:
+                log(env, line)
         t0 = time.perf_counter()
         loss_sum = accumulate_gradients(cfg, env, compiling.model_for_step(), loader, opt, ctx, accum, loss_scale,
                                         step)

@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanochat_cpu import checkpoint, config, data, tokenizer
+from nanochat_cpu import checkpoint, config, data, tokenizer, train
 from tests.test_train_runs import finish, losses, read_until, tiny_flags, train_target
 from tests.torchrun_helpers import (
     REPO,
@@ -329,6 +329,21 @@ def test_missing_paths_and_unwritable_out_dir_are_named(tiny_data_dir, tiny_toke
         config.validate(cfg, world_size=2)  # the flags themselves are fine
         [problem] = config.host_problems(cfg)
         assert message in problem, problem
+
+
+def test_compile_on_without_a_cxx_compiler_is_named_and_auto_stays_eager(tiny_data_dir, tiny_tokenizer_dir,
+                                                                         tmp_path, monkeypatch):
+    """torch.compile on a CPU compiles C++: a host without a compiler is found before step 0."""
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    cfg = config.parse_config(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / "run", compile="on"))
+    [problem] = config.host_problems(cfg)
+    assert "--compile on: no C++ compiler (no-such-compiler) on this host" in problem and "install g++" in problem
+    auto = config.parse_config(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / "run"))
+    assert config.host_problems(auto) == []
+    assert train.resolve_compile(auto) == ("off", "auto: no C++ compiler (no-such-compiler) on this host for "
+                                                  "torch.compile's CPU code; install g++ to let auto measure it")
+    monkeypatch.delenv("CXX")
+    assert train.resolve_compile(auto)[0] == ("auto" if shutil.which("g++") else "off")
 
 
 def test_bad_flag_stops_every_rank_before_rendezvous_and_touches_no_checkpoint(trained_run, tiny_data_dir,

@@ -27,7 +27,7 @@ def tiny_flags(data: Path, tok: Path, out: Path, **over) -> list[str]:
              "aspect-ratio": 32, "head-dim": 32, "max-seq-len": 64, "device-batch-size": 2,
              "total-batch-size": 256, "num-iterations": 12, "eval-every": 0, "eval-tokens": 512,
              "sample-every": 0, "checkpoint-every": 4, "keep-checkpoints": 3, "collective-timeout": 20,
-             "tracking-uri": "none"}
+             "tracking-uri": "none", "compile": "off"}
     flags.update({k.replace("_", "-"): v for k, v in over.items()})
     return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
 
@@ -72,10 +72,14 @@ def test_bad_batch_arithmetic_fails_every_rank_before_rendezvous(tiny_data_dir, 
 def test_two_ranks_train_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
     # rank 0 opens the MLflow store before step 0's checksum: on a loaded machine that is slower
     # than the tests' usual 20-s collective timeout allows
-    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / "run", tracking_uri="", collective_timeout=120)
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / "run", tracking_uri="", collective_timeout=120,
+                       compile="auto")
     first = run_torchrun(2, train_target(*flags))
     assert first.returncode == 0, first.stdout + first.stderr
     full = losses(first.stdout)
+    # --compile auto: the ranks time steps 2-4 together and find 8 steps too few to pay for a compile
+    assert re.search(r"rank 0/2\] compile off \(auto: eager [\d.]+ s/step; the 8 steps left take [\d.]+ min, "
+                     r"under 10x a compile \(~90 s\): not tried\)", first.stdout), first.stdout
     assert sorted(full) == list(range(1, 13))
     assert "fingerprint agreed across 2 rank(s)" in first.stdout
     # every rank shows its own progress, one line a step (docs/FAILURES.md row 14), apart from rank 0's
@@ -106,6 +110,7 @@ def test_two_ranks_train_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_
     second = run_torchrun(2, train_target(*flags))
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resumed from checkpoint step 8" in second.stdout
+    assert "compile off (auto: eager" in second.stdout and "chosen earlier in this run, kept on resume" in second.stdout
     resumed = losses(second.stdout)
     assert sorted(resumed) == [9, 10, 11, 12]
     for step, loss in resumed.items():
@@ -223,7 +228,8 @@ def test_measured_split_gives_the_faster_node_more_rows_and_resume_keeps_it(tiny
 def test_cuda_present_but_cpu_requested_uses_cpu_dtype_sdpa_gloo(native_ranks, dtype, why, tiny_data_dir,
                                                                  tiny_tokenizer_dir, tmp_path):
     """A GPU in the box changes nothing: gloo, SDPA, and bf16 only where every rank's CPU has it."""
-    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, num_iterations=2, checkpoint_every=0)
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, num_iterations=2, checkpoint_every=0,
+                       compile="auto")
     proc = run_torchrun(2, [str(REPO / "tests" / "fake_cuda_train.py"), *flags],
                         env_extra={"FAKE_NATIVE_BF16_RANKS": native_ranks})
     out = proc.stdout + proc.stderr
