@@ -24,7 +24,9 @@ The compile's cost estimate is COLD_COMPILE_S before one has run; the choice is 
 checkpoint, so a resumed run takes it again at once (and its compile cache, which the unit keeps
 with the run, makes the recompile short).
 
-Only the forward and backward are timed: the optimizer is never compiled.
+Whole steps are timed, less their waits on other ranks: the optimizer is never compiled, but a
+compiled model's gradients (dense embedding tables, copied into the optimizer's buffers) change its
+work too.
 """
 
 from __future__ import annotations
@@ -52,9 +54,9 @@ def compiled_pays(eager_s: float, compiled_s: float) -> bool:
     return compiled_s < eager_s * (1 - MARGIN)
 
 
-def worth_trying(eager_s: float, steps_left: int, compile_s: float = COLD_COMPILE_S) -> bool:
-    """Could a compile pay for itself in what is left of the run?"""
-    return steps_left * eager_s >= PAYBACK * compile_s
+def worth_trying(eager_s: float, steps_left: int) -> bool:
+    """Could a compile (COLD_COMPILE_S) pay for itself in what is left of the run?"""
+    return steps_left * eager_s >= PAYBACK * COLD_COMPILE_S
 
 
 @dataclass
@@ -105,8 +107,8 @@ class CompileChoice:
         return self.model
 
     def record(self, step: int, compute_s: float) -> str | None:
-        """Step `step`'s forward+backward seconds (steps count from 1); returns a line to log when a
-        decision is made."""
+        """Step `step`'s seconds, less its waits on other ranks (steps count from 1); returns a line
+        to log when a decision is made."""
         if self.decided is not None:
             return None
         if not self.compiling:
