@@ -59,6 +59,19 @@ def test_blocks_of_logits_give_the_same_loss_and_gradients(monkeypatch, dtype):
         assert g.dtype == torch.float32 and (g - ref).abs().max() <= tol * ref.abs().max()
 
 
+def test_a_second_backward_through_the_same_loss_gives_its_own_gradients():
+    """retain_graph: the first backward scales the gradients made in the forward in place; a second
+    one (scaled otherwise) must still get the right gradients, as autograd's own loss gives."""
+    x, w, y = inputs()
+    want = plain(x, w, y)
+    got = softcapped_cross_entropy(x, w, y, CAP)
+    for factor in (0.5, 3.0):
+        want_gx, want_gw = torch.autograd.grad(want * factor, (x, w), retain_graph=True)
+        got_gx, got_gw = torch.autograd.grad(got * factor, (x, w), retain_graph=True)
+        for g, ref in ((got_gx, want_gx), (got_gw, want_gw)):
+            assert (g - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
 def test_chunks_cover_every_row_and_the_per_position_form_matches(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # chunks as on one thread, on any machine
     x, w, y = inputs(n=1000, v=700)  # 700 columns: 187 rows a chunk, a short last chunk
