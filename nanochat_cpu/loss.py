@@ -118,25 +118,20 @@ class _SoftcappedCrossEntropy(torch.autograd.Function):
                 _mm_into(grad_x[s:s + rows], z, head_z, add=False)
                 _mm_into(grad_w[:vocab], z.t(), xb.to(z.dtype), add=s > 0)
         valid = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        # kept as attributes, not saved tensors: backward() scales them in place, and saved tensors'
-        # version checks would refuse a second backward over them
-        ctx.grads, ctx.valid = (grad_x, grad_w), valid
+        # handed to backward() alone: autograd adopts the weight's gradient as .grad only if nothing
+        # else holds it (else it copies it, out of the optimizer's buffer too)
+        ctx.grads, ctx.valid = [grad_x, grad_w], valid
         return torch.cat(losses).sum() / valid
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        (grad_x, grad_w), valid = ctx.grads, ctx.valid
-        scale = grad_loss / valid
-        first = getattr(ctx, "scaled_by", None)
-        if first is None:  # scaled in place: the weight's may be the optimizer's buffer (grad_target.py)
-            ctx.scaled_by = scale
-            return grad_x.mul_(scale), grad_w.mul_(scale), None, None, None
-        # a second backward through the same graph (retain_graph): fresh gradients from the first's
-        if not first.item():
-            raise RuntimeError("the soft-capped loss was backpropagated again after a backward with a zero "
-                               "gradient, which left nothing to rescale: one backward per forward")
-        ratio = scale / first
-        return grad_x * ratio, grad_w * ratio, None, None, None
+        if ctx.grads is None:
+            raise RuntimeError("the soft-capped loss makes its gradients in the forward and hands them to one "
+                               "backward: backpropagate it once (retain_graph=True and a second backward are not "
+                               "supported)")
+        (grad_x, grad_w), ctx.grads = ctx.grads, None
+        scale = grad_loss / ctx.valid
+        return grad_x.mul_(scale), grad_w.mul_(scale), None, None, None
 
 
 def softcapped_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, cap: float,

@@ -11,8 +11,8 @@ before the second step (which must not reuse what the first step's left behind);
 NO_GRAD_AS=zeros they get explicit zero gradients instead, the reference. SLOW_RANK=r: the backward
 flags gradients as they complete, as in the trainer, and rank r starts its step only once the other
 ranks have taken every work unit but the tables' (a rank slowed down by its machine); every rank
-prints how many of the shared-memory step's units it did. BACKWARD_TWICE=1: the last backward runs
-twice, which the shared-memory step must refuse. EXIT_RANK=r: rank r exits (status 0, so its
+prints how many of the shared-memory step's units it did. BACKWARD_TWICE=1: a second forward and backward
+follow the last one, which the shared-memory step must refuse. EXIT_RANK=r: rank r exits (status 0, so its
 launcher does not stop the others) after its backward, leaving the others waiting for its rows.
 `diverge`: perturb one parameter on the last rank, then run the cross-rank checksum guard.
 """
@@ -103,9 +103,9 @@ def step(out: str, split: str | None) -> None:
             exit_rank = os.environ.get("EXIT_RANK")
             opt.sync_in_backward = slow is not None or twice or exit_rank is not None
             loss = model(mine[:, :-1], mine[:, 1:])
-            (loss * sizes[env.rank] / GLOBAL_ROWS).backward(retain_graph=twice)
-            if twice:
-                (loss * sizes[env.rank] / GLOBAL_ROWS).backward()
+            (loss * sizes[env.rank] / GLOBAL_ROWS).backward()
+            if twice:  # a second forward and backward inside the last micro-step
+                (model(mine[:, :-1], mine[:, 1:]) * sizes[env.rank] / GLOBAL_ROWS).backward()
             if slow is not None and int(slow) == env.rank:
                 wait_for_others_to_take_all_but_tables(opt)
             if exit_rank == str(env.rank):

@@ -75,7 +75,7 @@ def test_shared_memory_step_takes_work_from_a_slow_rank(world, grads, reference,
 
 def test_shared_memory_step_refuses_a_gradient_accumulated_twice(tmp_path):
     """Other ranks may update a weight as soon as its gradient was accumulated once in the last
-    backward: a second accumulation (here a second backward) is refused, not summed too late."""
+    backward: a second accumulation (here a second forward and backward) is refused, not summed too late."""
     proc = run_torchrun(2, [WORKER, "step", str(tmp_path / "params.pt")],
                         env_extra={"LOCAL_COMM": "shm", "BACKWARD_TWICE": "1"}, timeout=120)
     assert proc.returncode != 0
