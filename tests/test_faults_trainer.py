@@ -338,7 +338,7 @@ def test_compile_on_without_a_cxx_compiler_is_named_and_auto_stays_eager(tiny_da
     cfg = config.parse_config(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / "run", compile="on"))
     [problem] = config.host_problems(cfg)
     assert "--compile on: no C++ compiler (no-such-compiler) on this host" in problem and "install g++" in problem
-    auto = config.parse_config(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / "run"))
+    auto = config.parse_config(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / "run", compile="auto"))
     assert config.host_problems(auto) == []
     assert train.resolve_compile(auto) == ("off", "auto: no C++ compiler (no-such-compiler) on this host for "
                                                   "torch.compile's CPU code; install g++ to let auto measure it")
