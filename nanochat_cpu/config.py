@@ -332,9 +332,14 @@ def validate_shape(cfg: TrainConfig) -> None:
                                                              f"--aspect-ratio or --head-dim")
 
 
+def cxx_name() -> str:
+    """The C++ compiler torch.compile's CPU backend runs (inductor: $CXX, else g++)."""
+    return os.environ.get("CXX", "g++")
+
+
 def cxx_compiler() -> str | None:
-    """The C++ compiler torch.compile's CPU backend would run (inductor: $CXX, else g++), if any."""
-    return shutil.which(os.environ.get("CXX", "g++"))
+    """Its path, if this host has it."""
+    return shutil.which(cxx_name())
 
 
 def host_problems(cfg: TrainConfig, create: bool = True) -> list[str]:
@@ -351,7 +356,7 @@ def host_problems(cfg: TrainConfig, create: bool = True) -> list[str]:
         if not os.path.isdir(path):
             problems.append(f"--{name.replace('_', '-')}={path}: no such directory (run site.yml to push it)")
     if cfg.compile == "on" and cfg.device == "cpu" and not cxx_compiler():
-        problems.append(f"--compile on: no C++ compiler ({os.environ.get('CXX', 'g++')}) on this host, and "
+        problems.append(f"--compile on: no C++ compiler ({cxx_name()}) on this host, and "
                         f"torch.compile's CPU code is C++ it compiles: install g++, or use --compile auto "
                         f"(eager without one) or off")
     # checkpoints go here: find out now, not at the first checkpoint, that they cannot

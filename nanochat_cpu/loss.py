@@ -75,6 +75,12 @@ def _losses_by_chunk(z: torch.Tensor, targets: torch.Tensor, cap: float, grad: b
                       for s in range(0, z.size(0), rows)])
 
 
+def _row_blocks(n: int, vocab: int) -> list[slice]:
+    """The rows of logits made at once (LOGITS_BLOCK_ELEMENTS each), over n rows."""
+    rows = max(1, LOGITS_BLOCK_ELEMENTS // vocab)
+    return [slice(s, s + rows) for s in range(0, n, rows)]
+
+
 def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor, add: bool) -> None:
     """out = a @ b, or out += a @ b with `add`; straight into `out` where the dtypes agree."""
     if a.dtype == out.dtype:
@@ -107,16 +113,15 @@ class _SoftcappedCrossEntropy(torch.autograd.Function):
             grad_w = torch.empty_like(weight)
         grad_w[vocab:].zero_()  # padding rows never score
         head = weight[:vocab]
-        rows = max(1, LOGITS_BLOCK_ELEMENTS // vocab)
         losses, head_z = [], None
-        for s in range(0, x.size(0), rows):
-            xb = x[s:s + rows]
+        for i, rows in enumerate(_row_blocks(x.size(0), vocab)):
+            xb = x[rows]
             z = xb @ head.t()  # under bf16 autocast bf16 logits, as autograd's own matmul would make
-            losses.append(_losses_by_chunk(z, targets[s:s + rows], cap, grad=True))
+            losses.append(_losses_by_chunk(z, targets[rows], cap, grad=True))
             head_z = head.to(z.dtype) if head_z is None else head_z
             with torch.autocast(x.device.type, enabled=False):  # the dtypes are chosen here
-                _mm_into(grad_x[s:s + rows], z, head_z, add=False)
-                _mm_into(grad_w[:vocab], z.t(), xb.to(z.dtype), add=s > 0)
+                _mm_into(grad_x[rows], z, head_z, add=False)
+                _mm_into(grad_w[:vocab], z.t(), xb.to(z.dtype), add=i > 0)
         valid = (targets != IGNORE_INDEX).sum().clamp(min=1)
         # handed to backward() alone: autograd adopts the weight's gradient as .grad only if nothing
         # else holds it (else it copies it, out of the optimizer's buffer too)
@@ -154,9 +159,8 @@ def softcapped_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: tor
         return _SoftcappedCrossEntropy.apply(x, weight, targets, cap, vocab)
     if reduction not in ("mean", "none") or needs_grad:
         raise ValueError(f"reduction={reduction!r}: 'mean', or 'none' without gradients")
-    rows = max(1, LOGITS_BLOCK_ELEMENTS // vocab)
-    losses = torch.cat([_losses_by_chunk(x[s:s + rows] @ weight[:vocab].t(), targets[s:s + rows], cap, grad=False)
-                        for s in range(0, x.size(0), rows)])
+    losses = torch.cat([_losses_by_chunk(x[rows] @ weight[:vocab].t(), targets[rows], cap, grad=False)
+                        for rows in _row_blocks(x.size(0), vocab)])
     if reduction == "none":
         return losses
     return losses.sum() / (targets != IGNORE_INDEX).sum().clamp(min=1)

@@ -15,30 +15,30 @@ import time
 import torch
 
 
-@functools.cache  # read once per process: the trainer, its dtype choices and the doctor all ask
-def cpu_flags() -> set[str]:
+@functools.cache  # read once per process: the trainer, its dtype choices, the doctor and bench all ask
+def _cpuinfo() -> dict[str, str]:
+    """The first CPU's fields in /proc/cpuinfo (empty where it cannot be read)."""
+    fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
+                if not line.strip():
+                    break  # the first processor's block ends
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return set()
+    return fields
+
+
+def cpu_flags() -> set[str]:
+    return set(_cpuinfo().get("flags", "").split())
 
 
 def cpu_model() -> str:
     """The CPU's model name and the vector extensions that decide its speed, e.g. `AMD EPYC
     (avx2; no avx512, no amx)`: benchmark figures name the machine they come from."""
-    name = "unknown CPU"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    name = _cpuinfo().get("model name", "unknown CPU")
     flags = cpu_flags()
     have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     lack = [f for f, prefix in (("avx512", "avx512f"), ("amx", "amx_")) if not any(x.startswith(prefix) for x in flags)]

@@ -35,6 +35,7 @@ from .config import (
     TrainConfig,
     config_hash,
     cxx_compiler,
+    cxx_name,
     grad_accum_steps,
     host_problems,
     parse_config,
@@ -112,7 +113,7 @@ def resolve_compile(cfg: TrainConfig) -> tuple[str, str]:
     if cfg.device == "cuda":
         return "on", "auto: compile pays off on CUDA"
     if not cxx_compiler():
-        return "off", (f"auto: no C++ compiler ({os.environ.get('CXX', 'g++')}) on this host for "
+        return "off", (f"auto: no C++ compiler ({cxx_name()}) on this host for "
                        f"torch.compile's CPU code; install g++ to let auto measure it")
     return "auto", (f"auto: eager steps 2-{1 + TIMED_STEPS} are timed, then compiled ones if the run is long "
                     f"enough to pay for a compile; the faster runs the rest")
