@@ -9,6 +9,11 @@ nothing keeps) and keeps only the result: since relu(h) = sqrt(relu(h)^2), the g
 is read back from it. (The rotary embedding keeps nothing of its own: its multiplications by
 constant tables keep only the tables.) Compiled models keep the plain form, which the compiler
 fuses and recomputes itself.
+
+The square root is taken as out * rsqrt(out): torch's CPU sqrt goes through MKL's vector library,
+which on an AVX2 AMD EPYC runs 9x slower on zeros than on positive values, and ReLU makes half of
+them zero. Profiled at depth 6 and 16,384 tokens a step: 1.0 s of sqrt a step, against 0.34 s for
+the rsqrt form, which agrees to 1-2 ulp and is exactly 0 where out is 0.
 """
 
 from __future__ import annotations
@@ -28,7 +33,10 @@ class _ReluSquared(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> torch.Tensor:
         (out,) = ctx.saved_tensors
-        return out.sqrt().mul_(grad).mul_(2.0)  # d relu(h)^2 / dh = 2 relu(h) = 2 sqrt(out)
+        # d relu(h)^2 / dh = 2 relu(h) = 2 sqrt(out), taken as out * rsqrt(out) (see above)
+        # the smallest normal number: its rsqrt is finite, so out = 0 gives 0 * finite = 0
+        root = out.clamp_min(torch.finfo(out.dtype).tiny).rsqrt_().mul_(out)
+        return root.mul_(grad).mul_(2.0)
 
 
 def relu_squared(h: torch.Tensor) -> torch.Tensor:

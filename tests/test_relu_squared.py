@@ -37,6 +37,17 @@ def test_relu_squared_matches_the_plain_form(dtype):
     assert (got[h <= 0] == 0).all()
 
 
+def test_tiny_and_zero_inputs_give_finite_gradients():
+    """The backward's root is out * rsqrt(max(out, smallest normal)): squares that underflow to
+    zero or to subnormals must give a gradient of (about) 2h, never inf or NaN."""
+    h = torch.tensor([0.0, -1.0, 1e-20, 1e-25, 3e-19, 2.0], requires_grad=True)
+    out = relu_squared(h.clone())
+    got, = torch.autograd.grad(out, h, torch.ones(6))
+    assert torch.isfinite(got).all()
+    assert got[0] == 0 and got[1] == 0 and got[-1] == 4.0
+    assert (got[2:5] >= 0).all() and (got[2:5] <= 1e-18).all()
+
+
 def test_the_mlp_keeps_its_input_and_the_squares_only():
     """Not relu's output besides: 4 x width floats a token fewer than the plain form keeps."""
     cfg = ModelConfig(vocab_size=64, n_layer=2, n_head=2, n_embd=32, seq_len=8)
