@@ -337,11 +337,13 @@ def outer_sync(env: DistEnv, tracker: Tracker, diloco: DiLoCo, schedule: OuterSc
     """The nodes meet: the outer step, its line and metrics; with auto, the first one chooses H."""
     with watchdog.phase(diloco.phase, step):
         outer = diloco.outer_step(last_step_s)
-    if schedule.every is None:  # every rank must choose the same H: from the slowest rank's sync
-        seen = torch.tensor([outer.sync_s, outer.slowest_step_s], dtype=torch.float64, device=env.device)
+    if schedule.every is None:  # every rank must choose the same H, from the same two figures:
+        # the shortest sync any rank saw, the last node's to arrive (the others' also holds their
+        # wait for it, which is the inner phases' imbalance, not the wire's), and the slowest step
+        seen = torch.tensor([-outer.sync_s, outer.slowest_step_s], dtype=torch.float64, device=env.device)
         with watchdog.phase("all_reduce outer sync seconds", step):
             dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-        schedule.every, why = choose_sync_every(float(seen[0]), float(seen[1]))
+        schedule.every, why = choose_sync_every(-float(seen[0]), float(seen[1]))
         log(env, f"sync-every auto: H={schedule.every} ({why})")
     log(env, f"outer step {diloco.outer_steps} at step {step:05d}: sync_s={outer.sync_s:.2f} "
              f"wait_s={outer.wait_s:.2f} pseudo_grad_norm={outer.pseudo_grad_norm:.4f} "

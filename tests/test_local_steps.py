@@ -18,6 +18,7 @@ from tests.test_train_runs import losses, read_until, tiny_flags, train_target
 from tests.torchrun_helpers import REPO, free_port, kill_tree, node_env, spawn_node
 
 WORKER = str(REPO / "tests" / "local_steps_worker.py")
+LATE_TRAIN = str(REPO / "tests" / "late_node_train.py")
 
 
 def run_nodes(nodes: int, target: list[str], nproc: int = 1, env_extra: dict[str, str] | None = None,
@@ -158,6 +159,21 @@ def test_trainer_auto_picks_one_h_on_every_rank_of_two_two_rank_nodes(tiny_data_
     assert sorted(r for r, _ in chosen) == ["0", "1", "2", "3"] and len({h for _, h in chosen}) == 1, out
     assert out.count("share parameters, gradients and optimizer state") == 4  # within each node: shared memory
     assert "eval step 00012 val_bpb=" in out
+
+
+def test_auto_times_the_sync_of_the_last_node_to_arrive_not_the_wait_for_it(tiny_data_dir, tiny_tokenizer_dir,
+                                                                             tmp_path):
+    """A node that arrives late at the first outer sync makes the others wait inside it; that wait
+    is the inner phases' imbalance, which a longer H does not spread thinner. auto must choose H
+    from the late node's sync, the wire's own time, or it picks an H far past what the link needs."""
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, sync_every="auto", checkpoint_every=0)
+    results = run_nodes(2, [LATE_TRAIN, *flags], env_extra={"LATE_RANK": "1", "LATE_S": "4"})
+    out = assert_ok(results)
+    assert "LATE: rank 1 sleeps 4 s" in out
+    first = {int(r): float(s) for r, s in re.findall(r"rank (\d)/2\] outer step 1 at step \d+: sync_s=([0-9.]+)", out)}
+    assert first[0] >= 4.0 > first[1], out  # rank 0 waited for rank 1 inside the sync
+    chosen = re.findall(r"sync-every auto: H=\d+ \(outer sync ([0-9.]+) s", out)
+    assert len(chosen) == 2 and {float(c) for c in chosen} == {first[1]}, out
 
 
 def test_local_steps_start_after_a_synchronous_warm_up_and_resume_from_its_checkpoint(tiny_data_dir,
