@@ -1,0 +1,165 @@
+"""Upstream nanochat's own base_train at bench's shapes: the other half of the side-by-side figures.
+
+    python -m nanochat_cpu.upstream_bench --upstream ~/nanochat --prepare --data-dir data
+    python -m nanochat_cpu.upstream_bench --upstream ~/nanochat                 # the three shapes
+    python -m nanochat_cpu.upstream_bench --upstream ~/nanochat --shape d6-16k
+    python -m nanochat_cpu.bench --shapes                                        # ours, same shapes
+
+The upstream checkout (git clone https://github.com/karpathy/nanochat; docs/BENCHMARKS.md names
+the commit measured) runs in its own venv (`--python`, default `<upstream>/.venv/bin/python`),
+which should hold the same torch as ours. It trains on our corpus: `--prepare` copies a data
+directory's shards (`python -m nanochat_cpu.data ...`) into `<base-dir>/base_data_climbmix` under
+upstream's names, the val shard last because upstream takes the last file for val, and trains
+upstream's own tokenizer on them (its scripts.tok_train, 32,768 tokens). Nothing of upstream is
+imported here: base_train runs as a subprocess, as a CPU user runs it: fp32, its default
+torch.compile of the model and of its optimizer steps, evaluation, sampling and checkpoints
+pushed past the timed steps (the final checkpoint it always writes is deleted after).
+
+tok_s is the mean of upstream's own per-step tok/sec from step FIRST_TIMED_STEP on (its compile
+happens in the steps before); peak_rss_mib is the process's peak resident set (wait4's
+ru_maxrss: KiB / 1024). Each result names the CPU it ran on, as bench's do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+from .bench import SHAPES
+from .data import read_manifest, split_files
+from .perf import cpu_model
+
+SEQ_LEN = 512
+VOCAB = 32768  # upstream's tokenizer, as bench's vocabulary
+FIRST_TIMED_STEP = 3
+# a short run at 1,024 tokens a step, where a step is a second or less; 8 at 16,384 (30 s or more)
+ITERATIONS = {1024: 20, 16384: 8}
+MODEL_TAG = "upstream_bench"  # base_train's final checkpoint goes to base_checkpoints/<tag>, deleted after
+# base_train's step line: "step 00003/00020 (15.00%) | loss: 9.1 | ... | dt: 1234.56ms | tok/sec: 1,234 | ..."
+STEP = re.compile(r"^step (\d+)/\d+ .*?\| dt: ([\d.]+)ms \| tok/sec: ([\d,]+)")
+
+
+def base_train_command(python: str, depth: int, head_dim: int, pattern: str, tokens: int,
+                       iterations: int) -> list[str]:
+    """Upstream's base_train at one shape: one micro-step of tokens / SEQ_LEN rows, nothing
+    but training steps in the run."""
+    return [python, "-m", "scripts.base_train", "--run=dummy", "--device-type=cpu", f"--depth={depth}",
+            f"--head-dim={head_dim}", f"--window-pattern={pattern}", f"--max-seq-len={SEQ_LEN}",
+            f"--device-batch-size={tokens // SEQ_LEN}", f"--total-batch-size={tokens}",
+            f"--num-iterations={iterations}", "--eval-every=-1", "--core-metric-every=-1",
+            "--sample-every=-1", "--save-every=-1", f"--model-tag={MODEL_TAG}"]
+
+
+def parse_steps(lines: list[str]) -> list[tuple[int, float, int]]:
+    """(step, seconds, tok/s) of every step line base_train printed."""
+    steps = []
+    for line in lines:
+        m = STEP.match(line.strip())
+        if m:
+            steps.append((int(m.group(1)), float(m.group(2)) / 1000, int(m.group(3).replace(",", ""))))
+    return steps
+
+
+def summarize(steps: list[tuple[int, float, int]]) -> dict:
+    timed = [s for s in steps if s[0] >= FIRST_TIMED_STEP]
+    if not timed:
+        return {"tok_s": None, "steps_timed": 0, "first_step_s": steps[0][1] if steps else None}
+    return {"tok_s": round(statistics.mean(s[2] for s in timed), 1), "steps_timed": len(timed),
+            "first_step_s": round(steps[0][1], 2)}
+
+
+def upstream_env(base_dir: Path, threads: int) -> dict[str, str]:
+    return {**os.environ, "NANOCHAT_BASE_DIR": str(base_dir.resolve()), "NANOCHAT_DTYPE": "float32",
+            "OMP_NUM_THREADS": str(threads), "WANDB_MODE": "disabled", "PYTHONUNBUFFERED": "1"}
+
+
+def copy_shards(data_dir: Path, base_dir: Path) -> list[Path]:
+    """Our train shards, then our val shard, as upstream's shard_NNNNN.parquet (it takes the last
+    for val); the directory's earlier shards are removed, so nothing else is trained on."""
+    manifest = read_manifest(data_dir)
+    out = base_dir / "base_data_climbmix"
+    out.mkdir(parents=True, exist_ok=True)
+    for old in out.glob("*.parquet"):
+        old.unlink()
+    names = split_files(manifest, "train") + split_files(manifest, "val")
+    copies = [out / f"shard_{i:05d}.parquet" for i in range(len(names))]
+    for name, copy in zip(names, copies, strict=True):
+        shutil.copyfile(data_dir / name, copy)
+    return copies
+
+
+def prepare(args: argparse.Namespace) -> None:
+    if args.data_dir is None:
+        raise SystemExit("--prepare needs --data-dir: the corpus to copy (python -m nanochat_cpu.data ...)")
+    copies = copy_shards(args.data_dir, args.base_dir)
+    print(f"{len(copies)} shards in {copies[0].parent} (the last is val); training upstream's tokenizer", flush=True)
+    subprocess.run([args.python, "-m", "scripts.tok_train", f"--vocab-size={VOCAB}"], cwd=args.upstream,
+                   env=upstream_env(args.base_dir, args.threads), check=True)
+
+
+def run_shape(args: argparse.Namespace, name: str) -> dict:
+    depth, head_dim, pattern, tokens = SHAPES[name]
+    iterations = args.num_iterations or ITERATIONS[tokens]
+    cmd = base_train_command(args.python, depth, head_dim, pattern, tokens, iterations)
+    proc = subprocess.Popen(cmd, cwd=args.upstream, env=upstream_env(args.base_dir, args.threads),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in proc.stdout:  # upstream's own log, as it comes
+        lines.append(line)
+        print(line, end="", file=sys.stderr, flush=True)
+    proc.stdout.close()
+    _, status, usage = os.wait4(proc.pid, 0)  # this process's own peak RSS, as /usr/bin/time reads it
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    shutil.rmtree(args.base_dir / "base_checkpoints" / MODEL_TAG, ignore_errors=True)
+    return {"cpu": cpu_model(), "shape": name, "depth": depth, "head_dim": head_dim, "window_pattern": pattern,
+            "tokens_per_step": tokens, "iterations": iterations, **summarize(parse_steps(lines)),
+            "peak_rss_mib": round(usage.ru_maxrss / 1024), "threads": args.threads, "rc": proc.returncode,
+            "upstream_commit": git_head(args.upstream), "torch": torch_version(args.python),
+            "command": " ".join(cmd[1:])}
+
+
+def git_head(repo: Path) -> str:
+    done = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else "unknown (not a git checkout)"
+
+
+def torch_version(python: str) -> str:
+    done = subprocess.run([python, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True)
+    return done.stdout.strip() if done.returncode == 0 else "unknown"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="nanochat_cpu.upstream_bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--upstream", type=Path, required=True, help="upstream nanochat's checkout")
+    p.add_argument("--python", help="its venv's python (default <upstream>/.venv/bin/python)")
+    p.add_argument("--base-dir", type=Path, help="its NANOCHAT_BASE_DIR (default <upstream>/base)")
+    p.add_argument("--prepare", action="store_true", help="copy --data-dir's shards in, train its tokenizer")
+    p.add_argument("--data-dir", type=Path, help="our corpus, for --prepare")
+    p.add_argument("--shape", choices=list(SHAPES), action="append", help="default: all three")
+    p.add_argument("--num-iterations", type=int, help="default: 20 at 1,024 tokens a step, 8 at 16,384")
+    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    args = p.parse_args(argv)
+    if not (args.upstream / "scripts" / "base_train.py").is_file():
+        p.error(f"--upstream {args.upstream}: no scripts/base_train.py there (git clone upstream nanochat)")
+    args.python = args.python or str(args.upstream / ".venv" / "bin" / "python")
+    args.base_dir = args.base_dir or args.upstream / "base"
+    if args.prepare:
+        prepare(args)
+        return 0
+    rc = 0
+    for name in args.shape or list(SHAPES):
+        result = run_shape(args, name)
+        print("UPSTREAM " + json.dumps(result), flush=True)
+        rc = rc or result["rc"]
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""The upstream side-by-side harness: what it asks of base_train and what it reads back.
+
+Upstream itself is not here (no network in CI); a stand-in base_train that prints upstream's step
+lines runs through the real harness: subprocess, environment, parsing, peak RSS, clean-up."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from nanochat_cpu import upstream_bench
+from nanochat_cpu.data import read_manifest, split_files
+from nanochat_cpu.perf import cpu_model
+
+# as upstream's base_train prints them (92d63d4), around other lines
+LOG = """\
+Vocab size: 32,768
+step 00000/00006 (0.00%) | loss: 10.397 | lrm: 1.00 | dt: 31876.12ms | tok/sec: 514 | bf16_mfu: 0.01 | epoch: 1
+step 00001/00006 (16.67%) | loss: 9.913 | lrm: 1.00 | dt: 1480.00ms | tok/sec: 11,070 | bf16_mfu: 0.01 | epoch: 1
+step 00002/00006 (33.33%) | loss: 9.101 | lrm: 1.00 | dt: 1400.00ms | tok/sec: 11,702 | bf16_mfu: 0.01 | epoch: 1
+step 00003/00006 (50.00%) | loss: 8.662 | lrm: 1.00 | dt: 1000.00ms | tok/sec: 16,384 | bf16_mfu: 0.01 | epoch: 1
+step 00004/00006 (66.67%) | loss: 8.210 | lrm: 1.00 | dt: 2000.00ms | tok/sec: 8,192 | bf16_mfu: 0.01 | epoch: 1
+Peak memory usage: 0.00MiB
+"""
+
+
+def test_step_lines_are_read_and_the_compile_steps_left_out():
+    steps = upstream_bench.parse_steps(LOG.splitlines(keepends=True))
+    assert [s[0] for s in steps] == [0, 1, 2, 3, 4]
+    assert steps[1] == (1, 1.48, 11070)
+    assert upstream_bench.summarize(steps) == {"tok_s": 12288.0, "steps_timed": 2, "first_step_s": 31.88}
+    assert upstream_bench.summarize(steps[:3])["tok_s"] is None
+
+
+def test_the_command_is_one_micro_step_of_the_shape_and_only_training():
+    cmd = upstream_bench.base_train_command("py", *upstream_bench.SHAPES["d6-16k"], iterations=8)
+    assert cmd[:3] == ["py", "-m", "scripts.base_train"]
+    for flag in ("--depth=6", "--head-dim=64", "--window-pattern=L", "--max-seq-len=512", "--device-batch-size=32",
+                 "--total-batch-size=16384", "--num-iterations=8", "--device-type=cpu", "--eval-every=-1",
+                 "--core-metric-every=-1", "--sample-every=-1", "--save-every=-1"):
+        assert flag in cmd
+
+
+def test_shards_are_copied_under_upstreams_names_with_val_last(tiny_data_dir, tmp_path):
+    base = tmp_path / "base"
+    (base / "base_data_climbmix").mkdir(parents=True)
+    (base / "base_data_climbmix" / "shard_09999.parquet").write_bytes(b"stale")
+    copies = upstream_bench.copy_shards(tiny_data_dir, base)
+    manifest = read_manifest(tiny_data_dir)
+    names = split_files(manifest, "train") + split_files(manifest, "val")
+    assert sorted(p.name for p in (base / "base_data_climbmix").iterdir()) == [p.name for p in copies]
+    assert [p.name for p in copies] == [f"shard_{i:05d}.parquet" for i in range(len(names))]
+    for name, copy in zip(names, copies, strict=True):
+        assert copy.read_bytes() == (tiny_data_dir / name).read_bytes()
+
+
+@pytest.fixture
+def stand_in_upstream(tmp_path) -> Path:
+    """A checkout whose base_train prints LOG, holds ~200 MiB, writes its final checkpoint, and
+    records the environment it was given."""
+    repo = tmp_path / "nanochat"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "scripts" / "__init__.py").write_text("")
+    (repo / "scripts" / "base_train.py").write_text(textwrap.dedent(f"""
+        import json, os, sys
+        held = bytearray(200 * 1024 * 1024)
+        for i in range(0, len(held), 4096):
+            held[i] = 1
+        base = os.environ["NANOCHAT_BASE_DIR"]
+        os.makedirs(os.path.join(base, "base_checkpoints", "{upstream_bench.MODEL_TAG}"))
+        with open(os.path.join(base, "seen.json"), "w") as f:
+            json.dump({{"argv": sys.argv[1:], "dtype": os.environ["NANOCHAT_DTYPE"],
+                       "threads": os.environ["OMP_NUM_THREADS"]}}, f)
+        print({LOG!r}, end="")
+        """))
+    return repo
+
+
+def test_a_shape_runs_base_train_and_reports_its_speed_and_memory(stand_in_upstream, tmp_path, capsys):
+    base = tmp_path / "base"
+    rc = upstream_bench.main(["--upstream", str(stand_in_upstream), "--python", sys.executable, "--base-dir",
+                              str(base), "--shape", "d4-1k", "--threads", "2"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    result = json.loads(out.split("UPSTREAM ", 1)[1])
+    assert result["tok_s"] == 12288.0 and result["steps_timed"] == 2 and result["rc"] == 0
+    assert 200 <= result["peak_rss_mib"] < 2000  # the child's own, not this test process's
+    assert result["shape"] == "d4-1k" and result["iterations"] == 20 and result["cpu"] == cpu_model()
+    seen = json.loads((base / "seen.json").read_text())
+    assert "--depth=4" in seen["argv"] and seen["dtype"] == "float32" and seen["threads"] == "2"
+    assert not (base / "base_checkpoints" / upstream_bench.MODEL_TAG).exists()  # its final checkpoint, deleted
+
+
+def test_a_directory_without_base_train_is_refused_by_name(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        upstream_bench.main(["--upstream", str(tmp_path)])
+    assert f"--upstream {tmp_path}: no scripts/base_train.py there" in capsys.readouterr().err
