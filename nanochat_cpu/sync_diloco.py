@@ -32,7 +32,9 @@ optimizer state (train.start_local_steps). OuterSchedule's `start` is that step.
 Per outer step each leader sends (nodes - 1) / nodes of the model twice, where ZeRO-2 sends
 about that every step: H times fewer bytes. `--sync-every auto` runs a first phase of
 AUTO_FIRST_PHASE steps, times its outer sync against the slowest node's inner step, and picks
-the H at which the sync is at most 5 percent of the wall time (`choose_sync_every`).
+the H at which the sync is at most 5 percent of the wall time (`choose_sync_every`). The sync it
+times is the last node's to arrive: the others' also holds their wait for that node, which is
+the inner phases' imbalance, and a longer H does not make that any smaller a share of the run.
 """
 
 from __future__ import annotations
