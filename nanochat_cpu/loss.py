@@ -43,7 +43,7 @@ MAX_UNSHIFTED_CAP = 40.0  # sum over a 2^17 vocabulary of exp(40) is ~3e22, far 
 def _chunk_losses(z: torch.Tensor, targets: torch.Tensor, cap: float, grad: bool) -> torch.Tensor:
     """Per-row losses of one chunk of raw logits `z`; with `grad`, `z` becomes dLoss_i/dz, in place.
 
-    Twelve passes over the chunk, six of them cheap arithmetic. Capped logits lie in (-cap,
+    Eleven passes over the chunk, seven of them cheap arithmetic. Capped logits lie in (-cap,
     cap), so exp() of them can neither overflow nor underflow in fp32 for any cap below ~40
     (nanochat's is 15): the log-sum-exp needs no max pass and no shift.
     """

@@ -15,9 +15,10 @@ imported here: base_train runs as a subprocess, as a CPU user runs it: fp32, its
 torch.compile of the model and of its optimizer steps, evaluation, sampling and checkpoints
 pushed past the timed steps (the final checkpoint it always writes is deleted after).
 
-tok_s is the mean of upstream's own per-step tok/sec from step FIRST_TIMED_STEP on (its compile
-happens in the steps before); peak_rss_mib is the process's peak resident set (wait4's
-ru_maxrss: KiB / 1024). Each result names the CPU it ran on, as bench's do.
+tok_s is the tokens of the steps from FIRST_TIMED_STEP on (its compile happens in the steps
+before) over the sum of their times as base_train prints them: tokens / mean step time, as bench
+reports ours. peak_rss_mib is the process's peak resident set (wait4's ru_maxrss: KiB / 1024).
+Each result names the CPU it ran on, as bench's do.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ from .perf import cpu_model
 SEQ_LEN = 512
 VOCAB = 32768  # upstream's tokenizer, as bench's vocabulary
 FIRST_TIMED_STEP = 3
-# a short run at 1,024 tokens a step, where a step is a second or less; 8 at 16,384 (30 s or more)
-ITERATIONS = {1024: 20, 16384: 8}
+# default steps: 20 at 1,024 tokens a step (a second or less each), 8 at 16,384 (30 s or more)
+SHORT_STEP_TOKENS, SHORT_STEP_ITERATIONS, LONG_STEP_ITERATIONS = 4096, 20, 8
 MODEL_TAG = "upstream_bench"  # base_train's final checkpoint goes to base_checkpoints/<tag>, deleted after
 # base_train's step line: "step 00003/00020 (15.00%) | loss: 9.1 | ... | dt: 1234.56ms | tok/sec: 1,234 | ..."
 STEP = re.compile(r"^step (\d+)/\d+ .*?\| dt: ([\d.]+)ms \| tok/sec: ([\d,]+)")
@@ -67,12 +68,15 @@ def parse_steps(lines: list[str]) -> list[tuple[int, float, int]]:
     return steps
 
 
-def summarize(steps: list[tuple[int, float, int]]) -> dict:
+def summarize(steps: list[tuple[int, float, int]], tokens: int) -> dict:
+    """tok_s over the timed steps: tokens / their mean time (a mean of per-step rates would weigh
+    the fast steps more)."""
     timed = [s for s in steps if s[0] >= FIRST_TIMED_STEP]
+    first = round(steps[0][1], 2) if steps else None
     if not timed:
-        return {"tok_s": None, "steps_timed": 0, "first_step_s": steps[0][1] if steps else None}
-    return {"tok_s": round(statistics.mean(s[2] for s in timed), 1), "steps_timed": len(timed),
-            "first_step_s": round(steps[0][1], 2)}
+        return {"tok_s": None, "steps_timed": 0, "first_step_s": first}
+    return {"tok_s": round(tokens / statistics.mean(s[1] for s in timed), 1), "steps_timed": len(timed),
+            "first_step_s": first}
 
 
 def upstream_env(base_dir: Path, threads: int) -> dict[str, str]:
@@ -106,20 +110,27 @@ def prepare(args: argparse.Namespace) -> None:
 
 def run_shape(args: argparse.Namespace, name: str) -> dict:
     depth, head_dim, pattern, tokens = SHAPES[name]
-    iterations = args.num_iterations or ITERATIONS[tokens]
+    iterations = args.num_iterations or (SHORT_STEP_ITERATIONS if tokens <= SHORT_STEP_TOKENS
+                                         else LONG_STEP_ITERATIONS)
     cmd = base_train_command(args.python, depth, head_dim, pattern, tokens, iterations)
     proc = subprocess.Popen(cmd, cwd=args.upstream, env=upstream_env(args.base_dir, args.threads),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
     lines = []
-    for line in proc.stdout:  # upstream's own log, as it comes
-        lines.append(line)
-        print(line, end="", file=sys.stderr, flush=True)
-    proc.stdout.close()
+    try:
+        for line in proc.stdout:  # upstream's own log, as it comes
+            lines.append(line)
+            print(line, end="", file=sys.stderr, flush=True)
+    except BaseException:  # interrupted (Ctrl-C): base_train must not go on training unwatched
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        proc.stdout.close()
     _, status, usage = os.wait4(proc.pid, 0)  # this process's own peak RSS, as /usr/bin/time reads it
     proc.returncode = os.waitstatus_to_exitcode(status)
     shutil.rmtree(args.base_dir / "base_checkpoints" / MODEL_TAG, ignore_errors=True)
     return {"cpu": cpu_model(), "shape": name, "depth": depth, "head_dim": head_dim, "window_pattern": pattern,
-            "tokens_per_step": tokens, "iterations": iterations, **summarize(parse_steps(lines)),
+            "tokens_per_step": tokens, "iterations": iterations, **summarize(parse_steps(lines), tokens),
             "peak_rss_mib": round(usage.ru_maxrss / 1024), "threads": args.threads, "rc": proc.returncode,
             "upstream_commit": git_head(args.upstream), "torch": torch_version(args.python),
             "command": " ".join(cmd[1:])}
@@ -157,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.shape or list(SHAPES):
         result = run_shape(args, name)
         print("UPSTREAM " + json.dumps(result), flush=True)
-        rc = rc or result["rc"]
+        rc = rc or (1 if result["rc"] else 0)  # a signal's negative code is no exit status
     return rc
 
 

@@ -171,7 +171,7 @@ def test_auto_times_the_sync_of_the_last_node_to_arrive_not_the_wait_for_it(tiny
     out = assert_ok(results)
     assert "LATE: rank 1 sleeps 4 s" in out
     first = {int(r): float(s) for r, s in re.findall(r"rank (\d)/2\] outer step 1 at step \d+: sync_s=([0-9.]+)", out)}
-    assert first[0] >= 4.0 > first[1], out  # rank 0 waited for rank 1 inside the sync
+    assert first[0] >= 2.5 > first[1], out  # rank 0 waited for rank 1 inside the sync (less its own lag)
     chosen = re.findall(r"sync-every auto: H=\d+ \(outer sync ([0-9.]+) s", out)
     assert len(chosen) == 2 and {float(c) for c in chosen} == {first[1]}, out
 

@@ -39,13 +39,22 @@ def test_relu_squared_matches_the_plain_form(dtype):
 
 def test_tiny_and_zero_inputs_give_finite_gradients():
     """The backward's root is out * rsqrt(max(out, smallest normal)): squares that underflow to
-    zero or to subnormals must give a gradient of (about) 2h, never inf or NaN."""
+    zero or to subnormals give a gradient between 0 and 2h, never inf or NaN."""
     h = torch.tensor([0.0, -1.0, 1e-20, 1e-25, 3e-19, 2.0], requires_grad=True)
     out = relu_squared(h.clone())
     got, = torch.autograd.grad(out, h, torch.ones(6))
     assert torch.isfinite(got).all()
     assert got[0] == 0 and got[1] == 0 and got[-1] == 4.0
-    assert (got[2:5] >= 0).all() and (got[2:5] <= 1e-18).all()
+    assert (got[2:5] >= 0).all() and (got[2:5] <= 2 * h[2:5]).all()
+
+
+def test_half_precision_takes_the_square_root_itself():
+    """fp16's smallest normal (6e-5) is the square of 0.008: clamping to it would shrink every
+    gradient of h below that, so fp16 keeps sqrt."""
+    h = torch.tensor([0.0, 5e-3, 0.02, 0.5], dtype=torch.float16, requires_grad=True)
+    got, = torch.autograd.grad(relu_squared(h.clone()), h, torch.ones(4, dtype=torch.float16))
+    want, = torch.autograd.grad(F.relu(h).square(), h, torch.ones(4, dtype=torch.float16))
+    assert torch.allclose(got.float(), want.float(), rtol=1e-2, atol=0)
 
 
 def test_the_mlp_keeps_its_input_and_the_squares_only():
