@@ -27,9 +27,10 @@ PER_HOST_FIELDS = frozenset(
     {"data_dir", "tokenizer_dir", "out_dir", "tracking_uri", "compile", "collective_timeout"}
 )
 
-# --sync-warmup-ratio's default: at depth 4, 0.6M tokens, H 8, synchronous first steps took local steps'
-# cost from +3.4% to +1.9% val bpb (0.2) (docs/BENCHMARKS.md)
-SYNC_WARMUP_RATIO = 0.2
+# --sync-warmup-ratio's default: at depth 4 and 2M tokens, H = 32 after 5% synchronous steps ended
+# 0.11% below synchronous steps' val bpb (docs/BENCHMARKS.md); each synchronous step costs a slow
+# link's whole-model traffic, so the warm-up is kept to what the quality needs
+SYNC_WARMUP_RATIO = 0.05
 
 
 @dataclass
