@@ -17,7 +17,8 @@ pushed past the timed steps (the final checkpoint it always writes is deleted af
 
 tok_s is the tokens of the steps from FIRST_TIMED_STEP on (its compile happens in the steps
 before) over the sum of their times as base_train prints them: tokens / mean step time, as bench
-reports ours. peak_rss_mib is the process's peak resident set (wait4's ru_maxrss: KiB / 1024).
+reports ours. peak_rss_mib is the process's peak resident set (ru_maxrss: KiB / 1024, read as
+/usr/bin/time reads it, see MEASURE_RSS).
 Each result names the CPU it ran on, as bench's do.
 """
 
@@ -28,9 +29,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from .bench import SHAPES
@@ -43,6 +46,19 @@ FIRST_TIMED_STEP = 3
 # default steps: 20 at 1,024 tokens a step (a second or less each), 8 at 16,384 (30 s or more)
 SHORT_STEP_TOKENS, SHORT_STEP_ITERATIONS, LONG_STEP_ITERATIONS = 4096, 20, 8
 MODEL_TAG = "upstream_bench"  # base_train's final checkpoint goes to base_checkpoints/<tag>, deleted after
+# base_train's peak RSS, as /usr/bin/time measures it: from a small process that forks it and
+# reads its rusage. A process spawned straight from this one would be charged this one's peak
+# too: Linux carries the memory's high-water mark across exec (a test's 800-MiB pytest showed it)
+MEASURE_RSS = """import os, sys
+pid = os.fork()
+if pid == 0:
+    os.execvp(sys.argv[2], sys.argv[2:])
+_, status, usage = os.wait4(pid, 0)
+with open(sys.argv[1], "w") as f:
+    f.write(str(usage.ru_maxrss))
+code = os.waitstatus_to_exitcode(status)
+sys.exit(code if code >= 0 else 128 - code)
+"""
 # base_train's step line: "step 00003/00020 (15.00%) | loss: 9.1 | ... | dt: 1234.56ms | tok/sec: 1,234 | ..."
 STEP = re.compile(r"^step (\d+)/\d+ .*?\| dt: ([\d.]+)ms \| tok/sec: ([\d,]+)")
 
@@ -113,25 +129,28 @@ def run_shape(args: argparse.Namespace, name: str) -> dict:
     iterations = args.num_iterations or (SHORT_STEP_ITERATIONS if tokens <= SHORT_STEP_TOKENS
                                          else LONG_STEP_ITERATIONS)
     cmd = base_train_command(args.python, depth, head_dim, pattern, tokens, iterations)
-    proc = subprocess.Popen(cmd, cwd=args.upstream, env=upstream_env(args.base_dir, args.threads),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, errors="replace")
-    lines = []
-    try:
-        for line in proc.stdout:  # upstream's own log, as it comes
-            lines.append(line)
-            print(line, end="", file=sys.stderr, flush=True)
-    except BaseException:  # interrupted (Ctrl-C): base_train must not go on training unwatched
-        proc.kill()
-        proc.wait()
-        raise
-    finally:
-        proc.stdout.close()
-    _, status, usage = os.wait4(proc.pid, 0)  # this process's own peak RSS, as /usr/bin/time reads it
-    proc.returncode = os.waitstatus_to_exitcode(status)
+    with tempfile.TemporaryDirectory() as tmp:
+        rss_file = Path(tmp) / "maxrss_kib"
+        proc = subprocess.Popen([sys.executable, "-c", MEASURE_RSS, str(rss_file), *cmd], cwd=args.upstream,
+                                env=upstream_env(args.base_dir, args.threads), stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True, errors="replace", start_new_session=True)
+        lines = []
+        try:
+            for line in proc.stdout:  # upstream's own log, as it comes
+                lines.append(line)
+                print(line, end="", file=sys.stderr, flush=True)
+            rc = proc.wait()
+        except BaseException:  # interrupted (Ctrl-C): base_train must not go on training unwatched
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        finally:
+            proc.stdout.close()
+        peak_kib = int(rss_file.read_text()) if rss_file.exists() else 0
     shutil.rmtree(args.base_dir / "base_checkpoints" / MODEL_TAG, ignore_errors=True)
     return {"cpu": cpu_model(), "shape": name, "depth": depth, "head_dim": head_dim, "window_pattern": pattern,
             "tokens_per_step": tokens, "iterations": iterations, **summarize(parse_steps(lines), tokens),
-            "peak_rss_mib": round(usage.ru_maxrss / 1024), "threads": args.threads, "rc": proc.returncode,
+            "peak_rss_mib": round(peak_kib / 1024), "threads": args.threads, "rc": rc,
             "upstream_commit": git_head(args.upstream), "torch": torch_version(args.python),
             "command": " ".join(cmd[1:])}
 
