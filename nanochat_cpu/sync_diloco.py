@@ -35,6 +35,9 @@ AUTO_FIRST_PHASE steps, times its outer sync against the slowest node's inner st
 the H at which the sync is at most 5 percent of the wall time (`choose_sync_every`). The sync it
 times is the last node's to arrive: the others' also holds their wait for that node, which is
 the inner phases' imbalance, and a longer H does not make that any smaller a share of the run.
+Before that, at the end of the synchronous warm-up, auto asks whether local steps are needed at
+all (`keep_synchronous`): on a link fast enough that synchronous steps wait at most 5 percent of
+their time, every step stays synchronous, which trains best per token.
 """
 
 from __future__ import annotations
@@ -155,6 +158,25 @@ def choose_sync_every(sync_s: float, step_s: float) -> tuple[int, str]:
     if h < need:
         why += f"; capped at {AUTO_MAX_H} (published range), so {share:.0%} of the wall time is the sync"
     return h, why
+
+
+def keep_synchronous(wire_share: float | None) -> tuple[bool, str]:
+    """auto, at the end of the synchronous warm-up: whether every step stays synchronous, and why.
+
+    `wire_share` is the share of the warm-up's timed steps that the last rank to arrive spent
+    waiting in the optimizer's collectives, which is the wire's own time (the others' wait also
+    holds their wait for that rank); None when no step was timed (a warm-up of under two steps:
+    a process's first step is not timed, it allocates). Where synchronous steps wait at most
+    AUTO_WIRE_SHARE, local steps have nothing to win: they would still pay their outer syncs, each
+    node's optimizer on the whole model (ZeRO-2 shares it out), and the quality averaging costs."""
+    if wire_share is None:
+        return False, ("no synchronous step was timed (the warm-up is under 2 steps: "
+                       "--sync-warmup-ratio x --num-iterations), so local steps follow")
+    verdict = (f"synchronous steps waited {wire_share:.1%} of their time on the wire in the warm-up "
+               f"(the last rank to arrive)")
+    if wire_share <= AUTO_WIRE_SHARE:
+        return True, f"{verdict}, at most {AUTO_WIRE_SHARE:.0%}: every step stays synchronous"
+    return False, f"{verdict}, over {AUTO_WIRE_SHARE:.0%}: local steps follow"
 
 
 # ---- the outer step ------------------------------------------------------------------------------

@@ -64,7 +64,16 @@ from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib, reuse_
 from .progress import Progress, StepClock
 from .shm import make_arena
 from .stop import GracefulStop
-from .sync_diloco import AUTO_FIRST_PHASE, DiLoCo, Nodes, OuterSchedule, choose_sync_every, find_nodes, node_token_share
+from .sync_diloco import (
+    AUTO_FIRST_PHASE,
+    DiLoCo,
+    Nodes,
+    OuterSchedule,
+    choose_sync_every,
+    find_nodes,
+    keep_synchronous,
+    node_token_share,
+)
 from .sync_strategy import WIRE_DTYPES
 from .tokenizer import Tokenizer
 from .tracking import Tracker
@@ -308,6 +317,28 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
     return diloco, schedule
 
 
+def choose_after_warm_up(env: DistEnv, warm: PhaseTimes, step: int, watchdog: Watchdog) -> str | None:
+    """auto at the end of the synchronous warm-up: why every step stays synchronous, or None when
+    local steps follow. Every rank decides alike, from the smallest wire share any rank saw."""
+    share = warm.wait_s / warm.wall_s if warm.steps else -1.0  # -1: not timed on this rank
+    seen = torch.tensor([-share], dtype=torch.float64, device=env.device)
+    with watchdog.phase("all_reduce the warm-up's wire share", step):
+        dist.all_reduce(seen, op=dist.ReduceOp.MAX)
+    smallest = -float(seen[0])
+    keep, why = keep_synchronous(smallest if smallest >= 0 else None)
+    log(env, f"sync-every auto: {why}")
+    return why if keep else None
+
+
+def kept_synchronous(cfg: TrainConfig, found: tuple[int | None, list[dict[int, dict]]]) -> str | None:
+    """auto's choice, before the checkpoint being resumed, to keep every step synchronous (its
+    COMPLETE marker says so: the optimizer is built before the checkpoint's files are read)."""
+    step, everyone = found
+    if step is None or sync_every_steps(cfg) is not None:
+        return None
+    return next(steps[step] for steps in everyone if step in steps).get("auto_synchronous")
+
+
 def start_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, muon_dtype: torch.dtype, nodes: Nodes,
                       disks: checkpoint.Disks, step: int, sizes: list[int], tokenizer_sha: str, vocab_size: int,
                       watchdog: Watchdog) -> tuple[MuonAdamW, DiLoCo, OuterSchedule]:
@@ -498,6 +529,10 @@ def run(cfg: TrainConfig) -> int:
     nodes = find_local_step_nodes(cfg, env, watchdog)
     warm_until = sync_warmup_steps(cfg) if nodes else 0  # the synchronous steps before local ones
     found = checkpoint.find_resume_step(cfg, env, disks, watchdog)
+    kept = kept_synchronous(cfg, found) if nodes else None  # auto chose synchronous steps before it
+    if kept:
+        log(env, f"sync-every auto: every step stays synchronous, as chosen before checkpoint {found[0]} ({kept})")
+        nodes, warm_until = None, 0
     local_now = nodes is not None and (found[0] or 0) >= warm_until
     opt = setup_optimizer(cfg, env, model, muon_dtype, watchdog, nodes if local_now else None)
     fpt = flops_per_token(model)
@@ -536,6 +571,7 @@ def run(cfg: TrainConfig) -> int:
     step = start_step
     said_speed = False  # whether the cluster-vs-one-node line was logged
     phase = PhaseTimes()  # since the last outer boundary (every step, when synchronous)
+    warm = PhaseTimes()  # the synchronous warm-up's steps but this process's first (auto times its wire)
     if start_step == 0 and env.distributed:
         check_parameters_agree(env, model, 0, watchdog)
     stopping = stop.agreed(step, watchdog)  # SIGTERM while the run was being set up
@@ -581,6 +617,8 @@ def run(cfg: TrainConfig) -> int:
             comm_wait += outer.wait_s
         dt = time.perf_counter() - t0
         phase.add(t_compute, comm_wait, dt)
+        if diloco is None and nodes is not None and step > start_step + 1:
+            warm.add(t_compute, comm_wait, dt)
         train_loss = loss_sum.item() / accum
         progress = clock.lap(step, time.perf_counter(), schedule.every or 1)
         log_step(cfg, env, tracker, progress, train_loss, mult, dt, t_compute, comm_wait, fpt, peak)
@@ -607,9 +645,15 @@ def run(cfg: TrainConfig) -> int:
         if env.master and cfg.sample_every != NEVER and (schedule.due(cfg.sample_every, step) or last):
             log_sample(env, model, tokenizer, step)
         warmed_up = diloco is None and nodes is not None and step == warm_until and not last
+        if warmed_up and sync_every_steps(cfg) is None:
+            kept = choose_after_warm_up(env, warm, step, watchdog)
+            if kept:
+                nodes, warm_until, warmed_up = None, 0, False
         if schedule.due(cfg.checkpoint_every, step) or last or stopping or warmed_up:
             extra = {"mlflow_run_id": tracker.run_id, "rank_batch_sizes": sizes, "tokenizer_sha256": tokenizer_sha,
                      "vocab_size": tokenizer.vocab_size, "compile": compiling.state_dict()}
+            if kept:
+                extra["auto_synchronous"] = kept
             if diloco is not None:  # at a boundary: the model is theta_global; the outer momentum, the chosen H
                 extra |= {"outer": diloco.state_dict(),
                           "sync_schedule": {"first": schedule.first, "every": schedule.every}}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -12,13 +13,14 @@ import time
 import pytest
 import torch
 
-from nanochat_cpu.sync_diloco import AUTO_MAX_H, OuterSchedule, choose_sync_every
+from nanochat_cpu.sync_diloco import AUTO_MAX_H, OuterSchedule, choose_sync_every, keep_synchronous
 from tests.local_steps_worker import OUTER_LR, OUTER_MOMENTUM
 from tests.test_train_runs import losses, read_until, tiny_flags, train_target
 from tests.torchrun_helpers import REPO, free_port, kill_tree, node_env, spawn_node
 
 WORKER = str(REPO / "tests" / "local_steps_worker.py")
 LATE_TRAIN = str(REPO / "tests" / "late_node_train.py")
+SLOW_TRAIN = str(REPO / "tests" / "slow_compute_train.py")
 
 
 def run_nodes(nodes: int, target: list[str], nproc: int = 1, env_extra: dict[str, str] | None = None,
@@ -176,6 +178,42 @@ def test_auto_times_the_sync_of_the_last_node_to_arrive_not_the_wait_for_it(tiny
     assert len(chosen) == 2 and {float(c) for c in chosen} == {first[1]}, out
 
 
+def test_auto_keeps_every_step_synchronous_where_the_wire_is_cheap_also_on_resume(tiny_data_dir,
+                                                                                   tiny_tokenizer_dir, tmp_path):
+    """Steps that take a second to compute wait a few milliseconds on loopback: under 5% on the wire,
+    so local steps have nothing to win. auto times the warm-up's steps 2-3 (--sync-warmup-ratio 0.25
+    of 12), keeps every step synchronous and says why; the checkpoints' markers carry the choice,
+    so a run resumed from step 8 keeps it too and repeats the uninterrupted run's losses."""
+    def nodes_out() -> str:
+        port, env = free_port(), {**node_env(), "SLOW_S": "1"}
+        flags = [[SLOW_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every="auto",
+                                          sync_warmup_ratio=0.25, checkpoint_every=4, keep_checkpoints=3)]
+                 for node in range(2)]
+        return assert_ok(collect([spawn_node(2, n, port, flags[n], env=env) for n in range(2)], 240))
+
+    first = nodes_out()
+    kept = re.findall(r"rank \d/2\] sync-every auto: (synchronous steps waited [0-9.]+% of their time on the wire "
+                      r"in the warm-up \(the last rank to arrive\), at most 5%: every step stays synchronous)", first)
+    assert len(kept) == 2 and len(set(kept)) == 1, first
+    assert "outer step" not in first and "local steps: node" not in first and "warm-up done" not in first, first
+    full = losses(first)
+    assert sorted(full) == list(range(1, 13))
+    for node in range(2):
+        ckpts = tmp_path / f"n{node}" / "checkpoints"
+        assert sorted(p.name for p in ckpts.iterdir()) == ["step_000004", "step_000008", "step_000012"]
+        assert json.loads((ckpts / "step_000008" / "COMPLETE").read_text())["auto_synchronous"] == kept[0]
+        for f in (ckpts / "step_000012").iterdir():
+            f.unlink()
+        (ckpts / "step_000012").rmdir()
+    second = nodes_out()
+    assert f"every step stays synchronous, as chosen before checkpoint 8 ({kept[0]})" in second, second
+    assert "outer step" not in second and "local steps" not in second, second
+    resumed = losses(second)
+    assert sorted(resumed) == list(range(9, 13))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
+
+
 def test_local_steps_start_after_a_synchronous_warm_up_and_resume_from_its_checkpoint(tiny_data_dir,
                                                                                       tiny_tokenizer_dir, tmp_path):
     """--sync-warmup-ratio 0.25 of 12 steps: steps 1-3 synchronous, a checkpoint at 3, then each node
@@ -283,6 +321,16 @@ def test_schedule_after_a_synchronous_warm_up_counts_from_its_end():
     assert s.previous(5) == 3 and s.previous(9) == 7
     assert not s.due(3, 5)  # step 3's checkpoint was the warm-up's: not taken again at 5
     assert s.due(3, 7)  # step 6 fell in the phase 5-7
+
+
+def test_auto_stays_synchronous_only_where_its_steps_wait_at_most_five_percent():
+    keep, why = keep_synchronous(0.031)
+    assert keep and "waited 3.1% of their time on the wire" in why and "every step stays synchronous" in why
+    assert keep_synchronous(0.05)[0]
+    keep, why = keep_synchronous(0.2)
+    assert not keep and "over 5%: local steps follow" in why
+    keep, why = keep_synchronous(None)
+    assert not keep and "the warm-up is under 2 steps" in why
 
 
 def test_auto_keeps_the_sync_under_five_percent_and_says_when_capped():
