@@ -17,6 +17,7 @@ behind them), `dataloader.py` (token batches).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import sys
@@ -77,7 +78,7 @@ from .sync_diloco import (
 from .sync_strategy import WIRE_DTYPES
 from .tokenizer import Tokenizer
 from .tracking import Tracker
-from .work_split import choose_split, log_rank_timings
+from .work_split import check_split, choose_split, log_rank_timings
 
 # ---- device truth --------------------------------------------------------------------------------
 
@@ -572,6 +573,8 @@ def run(cfg: TrainConfig) -> int:
     said_speed = False  # whether the cluster-vs-one-node line was logged
     phase = PhaseTimes()  # since the last outer boundary (every step, when synchronous)
     warm = PhaseTimes()  # the synchronous warm-up's steps but this process's first (auto times its wire)
+    # this process's steps but its first, until the measured work split is checked against them
+    split_times = PhaseTimes() if cfg.rank_batch_sizes == "auto" and env.distributed else None
     if start_step == 0 and env.distributed:
         check_parameters_agree(env, model, 0, watchdog)
     stopping = stop.agreed(step, watchdog)  # SIGTERM while the run was being set up
@@ -579,8 +582,8 @@ def run(cfg: TrainConfig) -> int:
     while step < cfg.num_iterations and not stopping:
         if compiling.wants_trial:  # between two steps, untimed: nothing of it is trained, nothing is sent
             with watchdog.phase("--compile auto: compiling, then the ranks' agreement", step):
-                line = compiling.trial(step, lambda compiled: compile_trial(compiled, cfg, env, ctx, sizes[env.rank],
-                                                                            tokenizer.vocab_size))
+                line = compiling.trial(step, functools.partial(compile_trial, cfg=cfg, env=env, ctx=ctx,
+                                                               rows=sizes[env.rank], vocab=tokenizer.vocab_size))
             opt.zero_grad()
             if env.master:
                 log(env, line)
@@ -619,6 +622,8 @@ def run(cfg: TrainConfig) -> int:
         phase.add(t_compute, comm_wait, dt)
         if diloco is None and nodes is not None and step > start_step + 1:
             warm.add(t_compute, comm_wait, dt)
+        if split_times is not None and step > start_step + 1:
+            split_times.add(t_compute, comm_wait, dt)
         train_loss = loss_sum.item() / accum
         progress = clock.lap(step, time.perf_counter(), schedule.every or 1)
         log_step(cfg, env, tracker, progress, train_loss, mult, dt, t_compute, comm_wait, fpt, peak)
@@ -634,6 +639,18 @@ def run(cfg: TrainConfig) -> int:
                                           said_speed, local_steps=diloco is not None, last=last,
                                           warm_up_until=warm_until if diloco is None else 0)
         phase = PhaseTimes()
+        if split_times is not None and split_times.steps >= 2:  # once a process, at a boundary
+            new_sizes = check_split(cfg, env, sizes, accum, split_times.per_step()[0], watchdog, step)
+            split_times = None
+            if new_sizes:
+                sizes, accum = new_sizes, grad_accum_steps(cfg, new_sizes)
+                loader.batch_size = sizes[env.rank]  # it reads on from the same token: only the rows per call change
+                loss_scale = stepping_loss_scale(env, nodes if diloco is not None else None, sizes, accum)
+                if diloco is not None:  # the phases from here on weigh the nodes by their new share
+                    diloco.weight = node_token_share(nodes, sizes)
+                if env.master:
+                    log(env, f"batch: {cfg.total_batch_size:,} tokens/step = {accum} micro-steps x rows {sizes} x "
+                             f"{cfg.max_seq_len} tokens")
         if env.distributed and (step == schedule.first or diloco is not None or schedule.due(cfg.checksum_every, step)
                                 or last):
             check_parameters_agree(env, model, step, watchdog)

@@ -3,7 +3,8 @@
 A global batch is total_batch_size tokens whatever the split. By default every rank takes
 device_batch_size rows per micro-step; `--rank-batch-sizes 6,2` gives each rank's rows; `auto`
 times a few forward+backward passes on every rank before step 0 and gives the faster ranks more
-rows (a resumed run reuses the split saved in its checkpoint). Every tenth step the ranks'
+rows (a resumed run reuses the split saved in its checkpoint), then checks that split once against
+the run's own first steps (`check_split`). Every tenth step the ranks'
 compute and wait times are gathered, and rank 0 says once whether the cluster beats its fastest
 node alone (`throughput.py` holds that estimate; docs/FAILURES.md row 16).
 """
@@ -91,6 +92,39 @@ def calibrate_split(model: GPT, cfg: TrainConfig, env: DistEnv, ctx, watchdog: W
             f"rank {r}@{env.hosts[r]} {seconds[r] * 1000:.0f} ms/micro-batch -> {sizes[r]} rows"
             for r in range(env.world_size)))
     return sizes
+
+
+RESPLIT_GAIN = 0.9  # check_split re-splits when the slowest rank would need at most this share of its time
+
+
+def check_split(cfg: TrainConfig, env: DistEnv, sizes: list[int], accum: int, compute_s: float, watchdog: Watchdog,
+                step: int) -> list[int] | None:
+    """The split chosen at start, checked against the run's own steps (collective): each rank's
+    seconds per row from its mean compute over the steps timed so far, and the balanced split of
+    those speeds when it makes the step's slowest rank at least 10% faster; None keeps the split.
+    Calibration times a few passes at start, while a host can still be busy with something else
+    (the controller's ansible on the same cores, a container's start-up), which evens out the
+    speeds it sees; the steps are what the run goes on doing."""
+    mine = torch.tensor([compute_s / (sizes[env.rank] * accum)], dtype=torch.float64, device=env.device)
+    everyone = [torch.zeros_like(mine) for _ in range(env.world_size)]
+    with watchdog.phase("all_gather the steps' seconds per row", step):
+        dist.all_gather(everyone, mine)
+        sync(env.device)
+    row_s = [float(t) for t in everyone]
+    step_rows = cfg.total_batch_size // cfg.max_seq_len
+    new = balanced_split(row_s, step_rows, cfg.device_batch_size * env.world_size)
+
+    def slowest_s(split: list[int]) -> float:  # the step's compute on its slowest rank
+        return max(n * t for n, t in zip(split, row_s, strict=True)) * (step_rows // sum(split))
+
+    if new == sizes or slowest_s(new) > RESPLIT_GAIN * slowest_s(sizes):
+        return None
+    if env.master:
+        log(env, f"work split checked against steps to {step}: " + ", ".join(
+            f"rank {r}@{env.hosts[r]} {row_s[r] * 1000:.0f} ms/row" for r in range(env.world_size))
+            + f" -> rows {new} instead of {sizes}: the slowest rank's compute {slowest_s(sizes):.2f} s -> "
+              f"{slowest_s(new):.2f} s a step")
+    return new
 
 
 def choose_split(cfg: TrainConfig, env: DistEnv, model: GPT, ctx, watchdog: Watchdog, saved: list[int] | None,

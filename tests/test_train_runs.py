@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from nanochat_cpu.dist import EXIT_MISMATCH
 from tests.torchrun_helpers import REPO, free_port, kill_tree, node_env, run_torchrun, spawn_node, torchrun_cmd
@@ -218,6 +219,45 @@ def test_measured_split_gives_the_faster_node_more_rows_and_resume_keeps_it(tiny
     assert sorted(resumed) == [9, 10, 11, 12]
     for step, loss in resumed.items():
         assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
+
+
+@pytest.mark.skipif((os.cpu_count() or 1) < 2 or not shutil.which("taskset"), reason="needs 2 CPUs and taskset")
+def test_a_split_measured_while_a_host_was_busy_is_corrected_by_the_first_steps(tiny_data_dir, tiny_tokenizer_dir,
+                                                                                tmp_path):
+    """Two busy loops share node 1's core while the ranks calibrate, then stop, as a controller's
+    ansible does on a host that is also a node: the calibration gives node 0 three rows of four,
+    the first timed steps show the nodes equally fast, and the split goes back to two rows each;
+    the next checkpoints hold the new split. The rows are long enough (4 layers of width 256, 256
+    tokens) that a row's compute, not a step's fixed costs, is what the ranks time."""
+    rows_that_cost = {"depth": 4, "aspect_ratio": 64, "max_seq_len": 256, "total_batch_size": 1024}
+    port = free_port()
+    hogs = [subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        nodes = [subprocess.Popen(["taskset", "-c", str(rank), *torchrun_cmd(
+                     1, port, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"node{rank}",
+                                                       rank_batch_sizes="auto", **rows_that_cost)), 2, rank)],
+                                  env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  cwd=REPO, start_new_session=True) for rank in range(2)]
+        try:
+            seen = read_until(nodes[0], "calibrated work split", 120)
+        finally:
+            for h in hogs:
+                h.kill()
+        (code0, rest, _), (code1, out1, _) = [finish(p, timeout=180) for p in nodes]
+    finally:
+        for p in [*hogs, *nodes]:
+            kill_tree(p.pid, signal.SIGKILL)
+    out0 = seen + rest
+    assert code0 == 0 and code1 == 0, out0 + out1
+    assert "batch: 1,024 tokens/step = 1 micro-steps x rows [3, 1] x 256 tokens" in out0
+    checked = re.search(r"work split checked against steps to (\d+): rank 0@\S+ \d+ ms/row, rank 1@\S+ \d+ ms/row -> "
+                        r"rows \[2, 2\] instead of \[3, 1\]", out0)
+    assert checked, out0
+    assert int(checked.group(1)) == 3  # steps 2 and 3: a process's first step is not timed
+    assert "batch: 1,024 tokens/step = 1 micro-steps x rows [2, 2] x 256 tokens" in out0
+    assert sorted(losses(out0)) == list(range(1, 13))
+    saved = torch.load(tmp_path / "node0" / "checkpoints" / "step_000004" / "rank0.pt", weights_only=False)
+    assert saved["extra"]["rank_batch_sizes"] == [2, 2]
 
 
 @pytest.mark.parametrize(("native_ranks", "dtype", "why"), [
