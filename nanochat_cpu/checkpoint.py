@@ -307,8 +307,9 @@ def save_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, op
         # the model's shape and its tokenizer: what sampling needs besides model.pt, wherever it is copied
         sampling = {"model": dataclasses.asdict(model.cfg), "tokenizer_sha256": extra["tokenizer_sha256"],
                     "tokenizer_dir": os.path.abspath(cfg.tokenizer_dir)}
-        # what resume must know before it reads a file: whether auto kept every step synchronous
-        stepping = {"auto_synchronous": extra["auto_synchronous"]} if "auto_synchronous" in extra else {}
+        # what resume must know before it reads a file: how the run steps, and what auto chose
+        stepping = {"local_steps": "outer" in extra, **({"auto_choice": extra["auto_choice"]}
+                                                        if "auto_choice" in extra else {})}
         mark_complete(cfg.out_dir, step, {**disks.layout(env.hosts or [env.host]), **sampling, **stepping},
                       cfg.keep_checkpoints)
     log(env, f"checkpoint step {step} saved to {step_dir(cfg.out_dir, step)} "

@@ -106,6 +106,11 @@ class CompileChoice:
             return self._compiled_model
         return self.model
 
+    def restart_timing(self) -> None:
+        """The steps' shape changed (a new work split): auto's eager timings so far no longer apply."""
+        if self.decided is None and not self.compiling:
+            self.eager.clear()
+
     def record(self, step: int, compute_s: float) -> str | None:
         """Step `step`'s seconds, less its waits on other ranks (steps count from 1); returns a line
         to log when a decision is made."""

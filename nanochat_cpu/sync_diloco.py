@@ -57,6 +57,7 @@ from .sync_strategy import all_gather, wait_timed
 AUTO_FIRST_PHASE = 2  # inner steps before auto's first, timed, outer sync: the second is a warm step
 AUTO_WIRE_SHARE = 0.05  # auto: the outer sync at most this share of the wall time
 AUTO_MAX_H = 100  # auto never goes past the published range (H 30-100): quality drops beyond it
+AUTO_TIMED_STEPS = 2  # synchronous steps auto times before it chooses them or local steps
 
 
 # ---- which ranks form a node ---------------------------------------------------------------------
@@ -165,13 +166,13 @@ def keep_synchronous(wire_share: float | None) -> tuple[bool, str]:
 
     `wire_share` is the share of the warm-up's timed steps that the last rank to arrive spent
     waiting in the optimizer's collectives, which is the wire's own time (the others' wait also
-    holds their wait for that rank); None when no step was timed (a warm-up of under two steps:
-    a process's first step is not timed, it allocates). Where synchronous steps wait at most
-    AUTO_WIRE_SHARE, local steps have nothing to win: they would still pay their outer syncs, each
-    node's optimizer on the whole model (ZeRO-2 shares it out), and the quality averaging costs."""
+    holds their wait for that rank); None when no step was timed (train.py stretches the warm-up
+    to AUTO_TIMED_STEPS timed steps; a process's first step is not timed, it allocates). Where
+    synchronous steps wait at most AUTO_WIRE_SHARE, local steps have nothing to win: they would
+    still pay their outer syncs, each node's optimizer on the whole model (ZeRO-2 shares it out),
+    and the quality averaging costs."""
     if wire_share is None:
-        return False, ("no synchronous step was timed (the warm-up is under 2 steps: "
-                       "--sync-warmup-ratio x --num-iterations), so local steps follow")
+        return False, "no synchronous step was timed, so local steps follow"
     verdict = (f"synchronous steps waited {wire_share:.1%} of their time on the wire in the warm-up "
                f"(the last rank to arrive)")
     if wire_share <= AUTO_WIRE_SHARE:

@@ -67,6 +67,7 @@ from .shm import make_arena
 from .stop import GracefulStop
 from .sync_diloco import (
     AUTO_FIRST_PHASE,
+    AUTO_TIMED_STEPS,
     DiLoCo,
     Nodes,
     OuterSchedule,
@@ -318,9 +319,9 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
     return diloco, schedule
 
 
-def choose_after_warm_up(env: DistEnv, warm: PhaseTimes, step: int, watchdog: Watchdog) -> str | None:
-    """auto at the end of the synchronous warm-up: why every step stays synchronous, or None when
-    local steps follow. Every rank decides alike, from the smallest wire share any rank saw."""
+def choose_after_warm_up(env: DistEnv, warm: PhaseTimes, step: int, watchdog: Watchdog) -> dict:
+    """auto at the end of the synchronous warm-up: {"synchronous": whether every step stays
+    synchronous, "why": ...}. Every rank decides alike, from the smallest wire share any rank saw."""
     share = warm.wait_s / warm.wall_s if warm.steps else -1.0  # -1: not timed on this rank
     seen = torch.tensor([-share], dtype=torch.float64, device=env.device)
     with watchdog.phase("all_reduce the warm-up's wire share", step):
@@ -328,16 +329,32 @@ def choose_after_warm_up(env: DistEnv, warm: PhaseTimes, step: int, watchdog: Wa
     smallest = -float(seen[0])
     keep, why = keep_synchronous(smallest if smallest >= 0 else None)
     log(env, f"sync-every auto: {why}")
-    return why if keep else None
+    return {"synchronous": keep, "why": why}
 
 
-def kept_synchronous(cfg: TrainConfig, found: tuple[int | None, list[dict[int, dict]]]) -> str | None:
-    """auto's choice, before the checkpoint being resumed, to keep every step synchronous (its
-    COMPLETE marker says so: the optimizer is built before the checkpoint's files are read)."""
+def auto_on_resume(cfg: TrainConfig, env: DistEnv, found: tuple[int | None, list[dict[int, dict]]],
+                   warm_until: int) -> tuple[dict | None, int]:
+    """--sync-every auto: the choice the run made before the checkpoint being resumed (its COMPLETE
+    marker holds it: the optimizer is built before the checkpoint's files are read), and the step
+    the synchronous steps go to. auto decides from AUTO_TIMED_STEPS timed synchronous steps (a
+    process's first step is not timed), so the warm-up is stretched to hold them; a synchronous
+    checkpoint past the warm-up that auto never decided on (a run trained with --sync-every 1, or
+    by an older version) is timed anew from where it resumes."""
     step, everyone = found
-    if step is None or sync_every_steps(cfg) is not None:
-        return None
-    return next(steps[step] for steps in everyone if step in steps).get("auto_synchronous")
+    marker = next(steps[step] for steps in everyone if step in steps) if step is not None else {}
+    if "auto_choice" in marker:
+        choice = marker["auto_choice"]
+        log(env, f"sync-every auto: {'every step stays synchronous' if choice['synchronous'] else 'local steps'}, "
+                 f"as chosen before checkpoint {step} ({choice['why']})")
+        return choice, warm_until
+    if marker.get("local_steps") or warm_until == 0:  # local steps already, or asked for from the first step
+        return None, warm_until
+    start = step or 0
+    timed_until = max(warm_until, min(start + AUTO_TIMED_STEPS + 1, cfg.num_iterations))
+    if start >= warm_until:
+        log(env, f"sync-every auto: checkpoint {step} has synchronous steps that auto has not timed: "
+                 f"steps {start + 1}-{timed_until} synchronous, then auto chooses")
+    return None, timed_until
 
 
 def start_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, muon_dtype: torch.dtype, nodes: Nodes,
@@ -530,10 +547,11 @@ def run(cfg: TrainConfig) -> int:
     nodes = find_local_step_nodes(cfg, env, watchdog)
     warm_until = sync_warmup_steps(cfg) if nodes else 0  # the synchronous steps before local ones
     found = checkpoint.find_resume_step(cfg, env, disks, watchdog)
-    kept = kept_synchronous(cfg, found) if nodes else None  # auto chose synchronous steps before it
-    if kept:
-        log(env, f"sync-every auto: every step stays synchronous, as chosen before checkpoint {found[0]} ({kept})")
-        nodes, warm_until = None, 0
+    auto_choice = None  # auto's choice after the warm-up: {"synchronous": ..., "why": ...}
+    if nodes and sync_every_steps(cfg) is None:
+        auto_choice, warm_until = auto_on_resume(cfg, env, found, warm_until)
+        if auto_choice and auto_choice["synchronous"]:
+            nodes, warm_until = None, 0
     local_now = nodes is not None and (found[0] or 0) >= warm_until
     opt = setup_optimizer(cfg, env, model, muon_dtype, watchdog, nodes if local_now else None)
     fpt = flops_per_token(model)
@@ -634,13 +652,11 @@ def run(cfg: TrainConfig) -> int:
             continue
         # on schedule, and always after the last step: timings, checksums, eval, sample, checkpoint
         last = step == cfg.num_iterations
-        if env.distributed and (schedule.due(10, step) or last):
-            said_speed = log_rank_timings(cfg, env, tracker, step, sizes, accum, *phase.per_step(), watchdog,
-                                          said_speed, local_steps=diloco is not None, last=last,
-                                          warm_up_until=warm_until if diloco is None else 0)
-        phase = PhaseTimes()
-        if split_times is not None and split_times.steps >= 2:  # once a process, at a boundary
-            new_sizes = check_split(cfg, env, sizes, accum, split_times.per_step()[0], watchdog, step)
+        timed = (sizes, accum)  # the split the phase's timings were measured at
+        if split_times is not None and split_times.steps >= 2:  # once a process, before what times the steps
+            # a compiled model is specialised to its shapes: a new split would recompile inside a step
+            new_sizes = None if compiling.compiling else check_split(cfg, env, sizes, accum,
+                                                                     split_times.per_step()[0], watchdog, step)
             split_times = None
             if new_sizes:
                 sizes, accum = new_sizes, grad_accum_steps(cfg, new_sizes)
@@ -648,9 +664,23 @@ def run(cfg: TrainConfig) -> int:
                 loss_scale = stepping_loss_scale(env, nodes if diloco is not None else None, sizes, accum)
                 if diloco is not None:  # the phases from here on weigh the nodes by their new share
                     diloco.weight = node_token_share(nodes, sizes)
+                compiling.restart_timing()
+                if diloco is None and nodes is not None and auto_choice is None and sync_every_steps(cfg) is None:
+                    warm = PhaseTimes()  # auto times the wire at the new split
+                    warm_until = max(warm_until, min(step + AUTO_TIMED_STEPS, cfg.num_iterations))
                 if env.master:
                     log(env, f"batch: {cfg.total_batch_size:,} tokens/step = {accum} micro-steps x rows {sizes} x "
                              f"{cfg.max_seq_len} tokens")
+        warmed_up = diloco is None and nodes is not None and step == warm_until and not last
+        if warmed_up and sync_every_steps(cfg) is None:  # before the timing line: it says what follows
+            auto_choice = choose_after_warm_up(env, warm, step, watchdog)
+            if auto_choice["synchronous"]:
+                nodes, warm_until, warmed_up = None, 0, False
+        if env.distributed and (schedule.due(10, step) or last):
+            said_speed = log_rank_timings(cfg, env, tracker, step, *timed, *phase.per_step(), watchdog,
+                                          said_speed, local_steps=diloco is not None, last=last,
+                                          warm_up_until=warm_until if diloco is None else 0)
+        phase = PhaseTimes()
         if env.distributed and (step == schedule.first or diloco is not None or schedule.due(cfg.checksum_every, step)
                                 or last):
             check_parameters_agree(env, model, step, watchdog)
@@ -661,16 +691,11 @@ def run(cfg: TrainConfig) -> int:
             tracker.log_metrics({"val_bpb": bpb}, step)
         if env.master and cfg.sample_every != NEVER and (schedule.due(cfg.sample_every, step) or last):
             log_sample(env, model, tokenizer, step)
-        warmed_up = diloco is None and nodes is not None and step == warm_until and not last
-        if warmed_up and sync_every_steps(cfg) is None:
-            kept = choose_after_warm_up(env, warm, step, watchdog)
-            if kept:
-                nodes, warm_until, warmed_up = None, 0, False
         if schedule.due(cfg.checkpoint_every, step) or last or stopping or warmed_up:
             extra = {"mlflow_run_id": tracker.run_id, "rank_batch_sizes": sizes, "tokenizer_sha256": tokenizer_sha,
                      "vocab_size": tokenizer.vocab_size, "compile": compiling.state_dict()}
-            if kept:
-                extra["auto_synchronous"] = kept
+            if auto_choice:
+                extra["auto_choice"] = auto_choice
             if diloco is not None:  # at a boundary: the model is theta_global; the outer momentum, the chosen H
                 extra |= {"outer": diloco.state_dict(),
                           "sync_schedule": {"first": schedule.first, "every": schedule.every}}

@@ -1,11 +1,12 @@
 """The trainer with every step's compute made longer, for auto's warm-up (tests/test_local_steps.py).
 
-    SLOW_S=1 python tests/slow_compute_train.py [train flags]
+    SLOW_S=1 SLOW_RANK=1 python tests/slow_compute_train.py [train flags]
 
-Each step sleeps SLOW_S seconds before its forward and backward. A tiny model on loopback computes
-in milliseconds, so the wire's share of its synchronous step is whatever the machine's load makes
-it; a longer compute makes that share small for certain, as a big model's step on a fast link
-does. Everything else is the real trainer.
+Rank SLOW_RANK's steps sleep SLOW_S seconds before their forward and backward. A tiny model on
+loopback computes in milliseconds, so the wire's share of its synchronous step is whatever the
+machine's load makes it; a longer compute makes the slow rank's share small for certain, as a big
+model's step on a fast link does, while the other ranks wait for it. Everything else is the real
+trainer.
 """
 
 import os
@@ -16,8 +17,12 @@ from nanochat_cpu import train
 _real_accumulate = train.accumulate_gradients
 
 
+_slow = os.environ.get("RANK") == os.environ["SLOW_RANK"]
+
+
 def slow_accumulate(*args, **kwargs):
-    time.sleep(float(os.environ["SLOW_S"]))
+    if _slow:
+        time.sleep(float(os.environ["SLOW_S"]))
     return _real_accumulate(*args, **kwargs)
 
 

@@ -154,7 +154,8 @@ def test_trainer_local_steps_resume_reproduces_losses(tiny_data_dir, tiny_tokeni
 
 def test_trainer_auto_picks_one_h_on_every_rank_of_two_two_rank_nodes(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
     results = run_nodes(2, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, sync_every="auto",
-                                                    checkpoint_every=0, total_batch_size=512)), nproc=2)
+                                                    sync_warmup_ratio=0, checkpoint_every=0, total_batch_size=512)),
+                        nproc=2)
     out = assert_ok(results)
     chosen = re.findall(r"rank (\d)/4\] sync-every auto: H=(\d+) \(outer sync [0-9.]+ s, slowest node's inner step",
                         out)
@@ -168,7 +169,8 @@ def test_auto_times_the_sync_of_the_last_node_to_arrive_not_the_wait_for_it(tiny
     """A node that arrives late at the first outer sync makes the others wait inside it; that wait
     is the inner phases' imbalance, which a longer H does not spread thinner. auto must choose H
     from the late node's sync, the wire's own time, or it picks an H far past what the link needs."""
-    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, sync_every="auto", checkpoint_every=0)
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, sync_every="auto", sync_warmup_ratio=0,
+                       checkpoint_every=0)
     results = run_nodes(2, [LATE_TRAIN, *flags], env_extra={"LATE_RANK": "1", "LATE_S": "4"})
     out = assert_ok(results)
     assert "LATE: rank 1 sleeps 4 s" in out
@@ -180,12 +182,14 @@ def test_auto_times_the_sync_of_the_last_node_to_arrive_not_the_wait_for_it(tiny
 
 def test_auto_keeps_every_step_synchronous_where_the_wire_is_cheap_also_on_resume(tiny_data_dir,
                                                                                    tiny_tokenizer_dir, tmp_path):
-    """Steps that take a second to compute wait a few milliseconds on loopback: under 5% on the wire,
-    so local steps have nothing to win. auto times the warm-up's steps 2-3 (--sync-warmup-ratio 0.25
-    of 12), keeps every step synchronous and says why; the checkpoints' markers carry the choice,
-    so a run resumed from step 8 keeps it too and repeats the uninterrupted run's losses."""
+    """Node 1's steps take a second longer to compute: node 0 waits for it most of each step, node 1
+    a few milliseconds on loopback, which is the wire's own time: under 5%, so local steps have
+    nothing to win (auto must take the last node's share, not the waiting one's). auto times the
+    warm-up's steps 2-3 (--sync-warmup-ratio 0.25 of 12), keeps every step synchronous and says
+    why; the checkpoints' markers carry the choice, so a run resumed from step 8 keeps it too and
+    repeats the uninterrupted run's losses."""
     def nodes_out() -> str:
-        port, env = free_port(), {**node_env(), "SLOW_S": "1"}
+        port, env = free_port(), {**node_env(), "SLOW_S": "1", "SLOW_RANK": "1"}
         flags = [[SLOW_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every="auto",
                                           sync_warmup_ratio=0.25, checkpoint_every=4, keep_checkpoints=3)]
                  for node in range(2)]
@@ -201,7 +205,8 @@ def test_auto_keeps_every_step_synchronous_where_the_wire_is_cheap_also_on_resum
     for node in range(2):
         ckpts = tmp_path / f"n{node}" / "checkpoints"
         assert sorted(p.name for p in ckpts.iterdir()) == ["step_000004", "step_000008", "step_000012"]
-        assert json.loads((ckpts / "step_000008" / "COMPLETE").read_text())["auto_synchronous"] == kept[0]
+        marker = json.loads((ckpts / "step_000008" / "COMPLETE").read_text())
+        assert marker["auto_choice"] == {"synchronous": True, "why": kept[0]} and not marker["local_steps"]
         for f in (ckpts / "step_000012").iterdir():
             f.unlink()
         (ckpts / "step_000012").rmdir()
@@ -212,6 +217,35 @@ def test_auto_keeps_every_step_synchronous_where_the_wire_is_cheap_also_on_resum
     assert sorted(resumed) == list(range(9, 13))
     for step, loss in resumed.items():
         assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
+
+
+def test_auto_times_a_synchronous_checkpoint_it_never_decided_on_before_choosing(tiny_data_dir, tiny_tokenizer_dir,
+                                                                                  tmp_path):
+    """A run trained with --sync-every 1 (train.yml's default before auto), resumed from step 4 under
+    auto: nothing says what auto would choose, so steps 5-7 stay synchronous and are timed (6-7:
+    the process's first is not), and only then does auto choose (here: synchronous, node 1 being
+    slow to compute); the losses are the synchronous run's."""
+    def nodes_out(every: str) -> str:
+        port, env = free_port(), {**node_env(), "SLOW_S": "1", "SLOW_RANK": "1"}
+        flags = [[SLOW_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=every,
+                                          checkpoint_every=4, keep_checkpoints=3)] for node in range(2)]
+        return assert_ok(collect([spawn_node(2, n, port, flags[n], env=env) for n in range(2)], 240))
+
+    full = losses(nodes_out("1"))
+    for node in range(2):
+        for step in ("step_000008", "step_000012"):
+            for f in (tmp_path / f"n{node}" / "checkpoints" / step).iterdir():
+                f.unlink()
+            (tmp_path / f"n{node}" / "checkpoints" / step).rmdir()
+    second = nodes_out("auto")
+    assert "sync-every auto: checkpoint 4 has synchronous steps that auto has not timed: steps 5-7 synchronous, " \
+           "then auto chooses" in second, second
+    assert re.search(r"sync-every auto: synchronous steps waited [0-9.]+% .* every step stays synchronous", second)
+    assert "outer step" not in second and "local steps: node" not in second, second
+    resumed = losses(second)
+    assert sorted(resumed) == list(range(5, 13))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs synchronous {full[step]}"
 
 
 def test_local_steps_start_after_a_synchronous_warm_up_and_resume_from_its_checkpoint(tiny_data_dir,
@@ -330,7 +364,7 @@ def test_auto_stays_synchronous_only_where_its_steps_wait_at_most_five_percent()
     keep, why = keep_synchronous(0.2)
     assert not keep and "over 5%: local steps follow" in why
     keep, why = keep_synchronous(None)
-    assert not keep and "the warm-up is under 2 steps" in why
+    assert not keep and "no synchronous step was timed" in why
 
 
 def test_auto_keeps_the_sync_under_five_percent_and_says_when_capped():

@@ -255,9 +255,29 @@ def test_a_split_measured_while_a_host_was_busy_is_corrected_by_the_first_steps(
     assert checked, out0
     assert int(checked.group(1)) == 3  # steps 2 and 3: a process's first step is not timed
     assert "batch: 1,024 tokens/step = 1 micro-steps x rows [2, 2] x 256 tokens" in out0
-    assert sorted(losses(out0)) == list(range(1, 13))
+    full = losses(out0)
+    assert sorted(full) == list(range(1, 13))
     saved = torch.load(tmp_path / "node0" / "checkpoints" / "step_000004" / "rank0.pt", weights_only=False)
     assert saved["extra"]["rank_batch_sizes"] == [2, 2]
+    # from step 4 at 2 rows each from the start: the re-split run's loader and loss weights did the same
+    for rank in range(2):
+        for step in ("step_000008", "step_000012"):
+            shutil.rmtree(tmp_path / f"node{rank}" / "checkpoints" / step)
+    port = free_port()
+    again = [subprocess.Popen(torchrun_cmd(1, port, train_target(*tiny_flags(
+                 tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"node{rank}", rank_batch_sizes="2,2",
+                 **rows_that_cost)), 2, rank), env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                 text=True, cwd=REPO, start_new_session=True) for rank in range(2)]
+    try:
+        (code0, resumed_out, _), (code1, out1, _) = [finish(p, timeout=180) for p in again]
+    finally:
+        for p in again:
+            kill_tree(p.pid, signal.SIGKILL)
+    assert code0 == 0 and code1 == 0, resumed_out + out1
+    resumed = losses(resumed_out)
+    assert sorted(resumed) == list(range(5, 13)), resumed_out
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
 
 
 @pytest.mark.parametrize(("native_ranks", "dtype", "why"), [
