@@ -174,9 +174,9 @@ def log_rank_timings(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int
                  f"{est.vs_fastest:.2f}x what its fastest node would do alone (est.); the speed verdict follows "
                  f"the local steps from step {warm_up_until}")
         return said_speed
-    if not said_speed:
-        log(env, line)
-    elif last:
+    if last:  # the run's verdict, also where it is the first said (local steps with a long H)
         log(env, f"at the end: {line}")
+    elif not said_speed:
+        log(env, line)
     return True
 

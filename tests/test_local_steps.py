@@ -284,13 +284,15 @@ def test_local_steps_start_after_a_synchronous_warm_up_and_resume_from_its_check
 def test_the_speed_verdict_waits_for_the_local_steps_after_the_warm_up(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
     """Timings are said every 10 steps: at step 10, the warm-up's last, as the warm-up's speed only
     (a slow link makes it slower than one node, which is why local steps follow); the FASTER/SLOWER
-    verdict comes from the local steps' timings, at the last step."""
+    verdict comes from the local steps' timings, at the last step, as the run's `at the end:` line."""
     out = two_nodes(lambda node: train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}",
                                                           sync_every=2, sync_warmup_ratio=0.8, checkpoint_every=0)))
     assert re.search(r"synchronous warm-up to step 10: cluster [0-9,]+ tok/s = [0-9.]+x what its fastest node "
                      r"would do alone \(est\.\); the speed verdict follows the local steps from step 10", out), out
     verdicts = [m.start() for m in re.finditer(r"(FASTER|SLOWER) THAN ONE NODE: cluster", out)]
     assert len(verdicts) == 1 and verdicts[0] > out.index("synchronous warm-up done at step 10"), out
+    # the only verdict is the last step's: the run's summary (status.yml, make demo) reads it by its prefix
+    assert re.search(r"\] at the end: (FASTER|SLOWER) THAN ONE NODE: cluster", out), out
 
 
 def test_a_local_steps_checkpoint_is_not_resumed_synchronously(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
