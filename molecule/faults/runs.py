@@ -18,9 +18,13 @@ VOCAB = 4096  # the demo tokenizer (the dataset role): a fresh model's loss is l
 # A tiny run: every fault case fits the CI budget on 2 cores.
 CHECKPOINT_EVERY = 10
 COLLECTIVE_TIMEOUT = 60
+# Every step synchronous: the cases count on a checkpoint every CHECKPOINT_EVERY steps, where
+# train.yml's default (sync_every=auto) may choose local steps, whose checkpoints wait for outer
+# boundaries; faults under local steps are tests/test_local_steps.py's (a node lost mid inner
+# phase, resume mid phase and at a boundary).
 RUN_VARS = {
     "depth": 2, "max_seq_len": 64, "device_batch_size": 2, "eval_every": 0, "eval_tokens": 384,
-    "sample_every": 0, "checkpoint_every": CHECKPOINT_EVERY,
+    "sample_every": 0, "checkpoint_every": CHECKPOINT_EVERY, "sync_every": 1,
     "train_extra_args": f"--collective-timeout {COLLECTIVE_TIMEOUT}",
 }
 
