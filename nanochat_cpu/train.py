@@ -563,6 +563,9 @@ def run(cfg: TrainConfig) -> int:
     # ---- work split, data, tracking --------------------------------------------------------------
     ctx = autocast_for(env.device, ctx_dtype)
     sizes = choose_split(cfg, env, model, ctx, watchdog, extra.get("rank_batch_sizes"))
+    # a split the run already checked against its steps stays when it resumes: the redone steps then
+    # repeat their losses (a new split sums the rows another way, and the curve drifts from there)
+    split_settled = sizes == extra.get("rank_batch_sizes") and bool(extra.get("split_settled"))
     accum = grad_accum_steps(cfg, sizes)
     if env.master:
         log(env, f"batch: {cfg.total_batch_size:,} tokens/step = {accum} micro-steps x rows {sizes} x "
@@ -592,7 +595,7 @@ def run(cfg: TrainConfig) -> int:
     phase = PhaseTimes()  # since the last outer boundary (every step, when synchronous)
     warm = PhaseTimes()  # the synchronous warm-up's steps but this process's first (auto times its wire)
     # this process's steps but its first, until the measured work split is checked against them
-    split_times = PhaseTimes() if cfg.rank_batch_sizes == "auto" and env.distributed else None
+    split_times = PhaseTimes() if cfg.rank_batch_sizes == "auto" and env.distributed and not split_settled else None
     if start_step == 0 and env.distributed:
         check_parameters_agree(env, model, 0, watchdog)
     stopping = stop.agreed(step, watchdog)  # SIGTERM while the run was being set up
@@ -657,7 +660,7 @@ def run(cfg: TrainConfig) -> int:
             # a compiled model is specialised to its shapes: a new split would recompile inside a step
             new_sizes = None if compiling.compiling else check_split(cfg, env, sizes, accum,
                                                                      split_times.per_step()[0], watchdog, step)
-            split_times = None
+            split_times, split_settled = None, True
             if new_sizes:
                 sizes, accum = new_sizes, grad_accum_steps(cfg, new_sizes)
                 loader.batch_size = sizes[env.rank]  # it reads on from the same token: only the rows per call change
@@ -692,8 +695,9 @@ def run(cfg: TrainConfig) -> int:
         if env.master and cfg.sample_every != NEVER and (schedule.due(cfg.sample_every, step) or last):
             log_sample(env, model, tokenizer, step)
         if schedule.due(cfg.checkpoint_every, step) or last or stopping or warmed_up:
-            extra = {"mlflow_run_id": tracker.run_id, "rank_batch_sizes": sizes, "tokenizer_sha256": tokenizer_sha,
-                     "vocab_size": tokenizer.vocab_size, "compile": compiling.state_dict()}
+            extra = {"mlflow_run_id": tracker.run_id, "rank_batch_sizes": sizes, "split_settled": split_settled,
+                     "tokenizer_sha256": tokenizer_sha, "vocab_size": tokenizer.vocab_size,
+                     "compile": compiling.state_dict()}
             if auto_choice:
                 extra["auto_choice"] = auto_choice
             if diloco is not None:  # at a boundary: the model is theta_global; the outer momentum, the chosen H

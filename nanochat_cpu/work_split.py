@@ -3,10 +3,11 @@
 A global batch is total_batch_size tokens whatever the split. By default every rank takes
 device_batch_size rows per micro-step; `--rank-batch-sizes 6,2` gives each rank's rows; `auto`
 times a few forward+backward passes on every rank before step 0 and gives the faster ranks more
-rows (a resumed run reuses the split saved in its checkpoint), then checks that split once against
-the run's own first steps (`check_split`). Every tenth step the ranks'
-compute and wait times are gathered, and rank 0 says once whether the cluster beats its fastest
-node alone (`throughput.py` holds that estimate; docs/FAILURES.md row 16).
+rows, then checks that split once against the run's own first steps (`check_split`). A resumed run
+reuses the split saved in its checkpoint, and checks it only if the run had not yet (a split that
+changes under redone steps changes their losses); a run resumed on other nodes calibrates and checks
+anew. Every tenth step the ranks' compute and wait times are gathered, and rank 0 says once
+whether the cluster beats its fastest node alone (`throughput.py` holds that estimate; docs/FAILURES.md row 16).
 """
 
 from __future__ import annotations

@@ -259,21 +259,30 @@ def test_a_split_measured_while_a_host_was_busy_is_corrected_by_the_first_steps(
     assert sorted(full) == list(range(1, 13))
     saved = torch.load(tmp_path / "node0" / "checkpoints" / "step_000004" / "rank0.pt", weights_only=False)
     assert saved["extra"]["rank_batch_sizes"] == [2, 2]
-    # from step 4 at 2 rows each from the start: the re-split run's loader and loss weights did the same
+    # resumed from step 4, with node 1's core busy again throughout: the checkpoint's split was
+    # checked, so it stays (a new one would change the redone steps' losses), and the losses equal
+    # the uninterrupted run's, which also shows the re-split run's loader and loss weights were right
     for rank in range(2):
         for step in ("step_000008", "step_000012"):
             shutil.rmtree(tmp_path / f"node{rank}" / "checkpoints" / step)
     port = free_port()
-    again = [subprocess.Popen(torchrun_cmd(1, port, train_target(*tiny_flags(
-                 tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"node{rank}", rank_batch_sizes="2,2",
-                 **rows_that_cost)), 2, rank), env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                 text=True, cwd=REPO, start_new_session=True) for rank in range(2)]
+    hogs = [subprocess.Popen(["taskset", "-c", "1", sys.executable, "-c", "while True: pass"]) for _ in range(2)]
     try:
-        (code0, resumed_out, _), (code1, out1, _) = [finish(p, timeout=180) for p in again]
+        again = [subprocess.Popen(["taskset", "-c", str(rank), *torchrun_cmd(1, port, train_target(*tiny_flags(
+                     tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"node{rank}", rank_batch_sizes="auto",
+                     **rows_that_cost)), 2, rank)], env=node_env(), stdout=subprocess.PIPE,
+                     stderr=subprocess.STDOUT, text=True, cwd=REPO, start_new_session=True) for rank in range(2)]
+        try:
+            (code0, resumed_out, _), (code1, out1, _) = [finish(p, timeout=240) for p in again]
+        finally:
+            for p in again:
+                kill_tree(p.pid, signal.SIGKILL)
     finally:
-        for p in again:
-            kill_tree(p.pid, signal.SIGKILL)
+        for h in hogs:
+            h.kill()
     assert code0 == 0 and code1 == 0, resumed_out + out1
+    assert "work split from the checkpoint: [2, 2]" in resumed_out
+    assert "work split checked" not in resumed_out, resumed_out
     resumed = losses(resumed_out)
     assert sorted(resumed) == list(range(5, 13)), resumed_out
     for step, loss in resumed.items():

@@ -33,9 +33,11 @@ BAD_SHARDS = ("import hashlib, json, sys, pathlib, pyarrow as pa, pyarrow.parque
 
 
 def node_state(c: Cluster) -> dict[str, str]:
-    """What train.yml would change on a node: env files, run directories, trainer units."""
+    """What train.yml would change on a node: env files, run directories, trainer units started.
+    Inactive units are left out: systemd unloads one nothing refers to any more whenever it likes."""
     return {n: c.sh(n, "ls -la --time-style=+%s /etc/nanochat /var/lib/nanochat/runs; "
-                       "systemctl list-units 'nanochat-train@*' --all --no-legend --plain", check=False)
+                       "systemctl list-units 'nanochat-train@*' --all --no-legend --plain "
+                       "--state=active,activating,deactivating,reloading,failed", check=False)
             for n in c.nodes}
 
 
