@@ -562,7 +562,7 @@ def run(cfg: TrainConfig) -> int:
 
     # ---- work split, data, tracking --------------------------------------------------------------
     ctx = autocast_for(env.device, ctx_dtype)
-    sizes = choose_split(cfg, env, model, ctx, watchdog, extra.get("rank_batch_sizes"))
+    sizes, fixed_rows = choose_split(cfg, env, model, ctx, watchdog, extra)
     # a split the run already checked against its steps stays when it resumes: the redone steps then
     # repeat their losses (a new split sums the rows another way, and the curve drifts from there)
     split_settled = sizes == extra.get("rank_batch_sizes") and bool(extra.get("split_settled"))
@@ -658,7 +658,7 @@ def run(cfg: TrainConfig) -> int:
         timed = (sizes, accum)  # the split the phase's timings were measured at
         if split_times is not None and split_times.steps >= 2:  # once a process, before what times the steps
             # a compiled model is specialised to its shapes: a new split would recompile inside a step
-            new_sizes = None if compiling.compiling else check_split(cfg, env, sizes, accum,
+            new_sizes = None if compiling.compiling else check_split(cfg, env, sizes, accum, fixed_rows,
                                                                      split_times.per_step()[0], watchdog, step)
             split_times, split_settled = None, True
             if new_sizes:
@@ -696,6 +696,7 @@ def run(cfg: TrainConfig) -> int:
             log_sample(env, model, tokenizer, step)
         if schedule.due(cfg.checkpoint_every, step) or last or stopping or warmed_up:
             extra = {"mlflow_run_id": tracker.run_id, "rank_batch_sizes": sizes, "split_settled": split_settled,
+                     "split_fixed_rows": fixed_rows,
                      "tokenizer_sha256": tokenizer_sha, "vocab_size": tokenizer.vocab_size,
                      "compile": compiling.state_dict()}
             if auto_choice:

@@ -2,16 +2,18 @@
 
 A global batch is total_batch_size tokens whatever the split. By default every rank takes
 device_batch_size rows per micro-step; `--rank-batch-sizes 6,2` gives each rank's rows; `auto`
-times a few forward+backward passes on every rank before step 0 and gives the faster ranks more
-rows, then checks that split once against the run's own first steps (`check_split`). A resumed run
-reuses the split saved in its checkpoint, and checks it only if the run had not yet (a split that
-changes under redone steps changes their losses); a run resumed on other nodes calibrates and checks
-anew. Every tenth step the ranks' compute and wait times are gathered, and rank 0 says once
-whether the cluster beats its fastest node alone (`throughput.py` holds that estimate; docs/FAILURES.md row 16).
+times a few forward+backward passes on every rank before step 0 (at two row counts: a pass has a
+fixed cost) and gives the faster ranks more rows, then checks that split once against the run's
+own first steps (`check_split`). A resumed run reuses the split saved in its checkpoint, and checks
+it only if the run had not yet (a split that changes under redone steps changes their losses); a
+run resumed on other nodes calibrates and checks anew. Every tenth step the ranks' compute and wait
+times are gathered, and rank 0 says once whether the cluster beats its fastest node alone
+(`throughput.py` holds that estimate; docs/FAILURES.md row 16).
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -26,17 +28,18 @@ from .perf import sync
 from .tracking import Tracker
 
 
-def min_max_split(row_seconds: list[float], rows: int) -> list[int]:
-    """`rows` rows over the ranks, at least one each, so that the slowest rank finishes first:
-    give each next row to the rank that would still be done soonest (optimal for min-max)."""
+def min_max_split(row_seconds: list[float], rows: int, fixed_rows: float = 0.0) -> list[int]:
+    """`rows` rows over the ranks, at least one each, so that the slowest rank finishes first: give
+    each next row to the rank that would still be done soonest (optimal for min-max). A rank's
+    micro-batch of n rows takes (n + fixed_rows) x its seconds per row (`calibrate_split`)."""
     sizes = [1] * len(row_seconds)
     for _ in range(rows - len(sizes)):
-        r = min(range(len(sizes)), key=lambda k: ((sizes[k] + 1) * row_seconds[k], k))
+        r = min(range(len(sizes)), key=lambda k: ((sizes[k] + 1 + fixed_rows) * row_seconds[k], k))
         sizes[r] += 1
     return sizes
 
 
-def balanced_split(row_seconds: list[float], step_rows: int, configured: int) -> list[int]:
+def balanced_split(row_seconds: list[float], step_rows: int, configured: int, fixed_rows: float = 0.0) -> list[int]:
     """Each rank's rows per micro-step, from each rank's measured seconds per row.
 
     Rows are whole, so with 6 rows and speeds 1 : 0.5 : 1 the best is 3,1,2 (the slowest rank
@@ -44,13 +47,15 @@ def balanced_split(row_seconds: list[float], step_rows: int, configured: int) ->
     size from world_size to 2 x the configured one (device_batch_size x world_size; the cap bounds
     a rank's activation memory) that divides the step's rows is tried; the split whose slowest rank
     spends the least time per global row wins, the configured size when it is within 3% of it.
+    A micro-batch's fixed cost (`fixed_rows` rows' time on every rank) favours fewer, larger ones.
     """
     world = len(row_seconds)
     options = []
     for rows in range(world, 2 * configured + 1):
         if step_rows % rows == 0:
-            sizes = min_max_split(row_seconds, rows)
-            options.append((max(n * t for n, t in zip(sizes, row_seconds, strict=True)) / rows, rows, sizes))
+            sizes = min_max_split(row_seconds, rows, fixed_rows)
+            slowest = max((n + fixed_rows) * t for n, t in zip(sizes, row_seconds, strict=True))
+            options.append((slowest / rows, rows, sizes))
     best = min(cost for cost, _, _ in options)
     return min((o for o in options if o[0] <= best * 1.03), key=lambda o: (abs(o[1] - configured), o[1]))[2]
 
@@ -58,65 +63,88 @@ def balanced_split(row_seconds: list[float], step_rows: int, configured: int) ->
 CALIBRATION_SECONDS = 1.5
 
 
-def calibrate_split(model: GPT, cfg: TrainConfig, env: DistEnv, ctx, watchdog: Watchdog) -> list[int]:
+def fixed_cost_rows(seconds: dict[int, float], most: int) -> float:
+    """A micro-batch's cost that does not grow with its rows, in rows' time: the line through
+    a pass's seconds at two row counts, where it meets zero rows. A 1-row pass of the 4-layer test
+    model costs 10-50% more per row than a 4-row one on an AVX2 EPYC (smaller GEMMs, a step's fixed
+    work), so splits that leave a rank one row judged by seconds per row alone look better than they
+    are. Clamped to 0..`most` rows: timings this short are noisy."""
+    (small, t_small), (big, t_big) = sorted(seconds.items())
+    if t_big <= t_small:
+        return float(most)
+    per_row = (t_big - t_small) / (big - small)
+    return min(max(t_small / per_row - small, 0.0), float(most))
+
+
+def calibrate_split(model: GPT, cfg: TrainConfig, env: DistEnv, ctx, watchdog: Watchdog) -> tuple[list[int], float]:
     """Time forward+backward passes on every rank; faster ranks take more of each micro-step.
+    Returns the split and a micro-batch's fixed cost in rows (`fixed_cost_rows`).
 
     The global batch (total_batch_size) is unchanged and every rank's loss is weighted by its
     tokens, so the optimisation is the same as with an even split; only the rows per micro-step
     and the number of micro-steps may change (balanced_split).
     """
+    full = cfg.device_batch_size
+    other = 1 if full > 1 else 2  # a second row count, for the fixed cost: one row, where it weighs most
     gen = torch.Generator().manual_seed(cfg.seed)  # not the global RNG: training stays reproducible
-    rows = torch.randint(0, model.cfg.vocab_size, (cfg.device_batch_size, cfg.max_seq_len + 1), generator=gen)
-    x, y = rows[:, :-1].to(env.device), rows[:, 1:].to(env.device)
-    times: list[float] = []
-    # the first pass warms up allocators and kernels. Then time at least CALIBRATION_SECONDS: a
-    # CPU quota (a container, a cgroup) lets a process run at full speed for the first part of each
-    # 100-ms scheduler period, so passes shorter than a few periods measure the core, not the quota
-    while len(times) < 3 or sum(times[1:]) < CALIBRATION_SECONDS:
-        t0 = time.perf_counter()
-        with ctx:
-            model(x, y).backward()
-        sync(env.device)  # on CUDA the pass has only been queued
-        times.append(time.perf_counter() - t0)
+    rows = torch.randint(0, model.cfg.vocab_size, (max(full, other), cfg.max_seq_len + 1), generator=gen)
+    times: dict[int, list[float]] = {full: [], other: []}
+    # each shape's first pass warms up allocators and kernels. Then time at least CALIBRATION_SECONDS:
+    # a CPU quota (a container, a cgroup) lets a process run at full speed for the first part of each
+    # 100-ms scheduler period, so passes shorter than a few periods measure the core, not the quota.
+    # The two shapes alternate, so a host that gets busier or idler mid-way skews both alike
+    while min(map(len, times.values())) < 3 or sum(sum(t[1:]) for t in times.values()) < CALIBRATION_SECONDS:
+        for n, seen in times.items():
+            x, y = rows[:n, :-1].to(env.device), rows[:n, 1:].to(env.device)
+            t0 = time.perf_counter()
+            with ctx:
+                model(x, y).backward()
+            sync(env.device)  # on CUDA the pass has only been queued
+            seen.append(time.perf_counter() - t0)
     clear_gradients(model.parameters())  # as the optimizer's zero_grad leaves them
     # collectives take tensors on the run's device (NCCL has no CPU tensors)
-    mine = torch.tensor([sum(times[1:]) / (len(times) - 1)], dtype=torch.float64, device=env.device)
+    mine = torch.tensor([sum(times[n][1:]) / (len(times[n]) - 1) for n in (full, other)], dtype=torch.float64,
+                        device=env.device)
     everyone = [torch.zeros_like(mine) for _ in range(env.world_size)]
     with watchdog.phase("all_gather calibration", 0):
         dist.all_gather(everyone, mine)
         sync(env.device)
-    seconds = [float(t) for t in everyone]
-    sizes = balanced_split([t / cfg.device_batch_size for t in seconds], cfg.total_batch_size // cfg.max_seq_len,
-                           cfg.device_batch_size * env.world_size)
+    seconds = [float(t[0]) for t in everyone]
+    # the fixed cost is the model's and the CPU's, not the load's: the ranks' median
+    fixed_rows = statistics.median(fixed_cost_rows({full: float(t[0]), other: float(t[1])}, full) for t in everyone)
+    sizes = balanced_split([t / (full + fixed_rows) for t in seconds], cfg.total_batch_size // cfg.max_seq_len,
+                           full * env.world_size, fixed_rows)
     if env.master:
         log(env, "calibrated work split: " + ", ".join(
             f"rank {r}@{env.hosts[r]} {seconds[r] * 1000:.0f} ms/micro-batch -> {sizes[r]} rows"
-            for r in range(env.world_size)))
-    return sizes
+            for r in range(env.world_size)) + f" (a micro-batch's fixed cost: {fixed_rows:.2f} rows)")
+    return sizes, fixed_rows
 
 
 RESPLIT_GAIN = 0.9  # check_split re-splits when the slowest rank would need at most this share of its time
 
 
-def check_split(cfg: TrainConfig, env: DistEnv, sizes: list[int], accum: int, compute_s: float, watchdog: Watchdog,
-                step: int) -> list[int] | None:
+def check_split(cfg: TrainConfig, env: DistEnv, sizes: list[int], accum: int, fixed_rows: float, compute_s: float,
+                watchdog: Watchdog, step: int) -> list[int] | None:
     """The split chosen at start, checked against the run's own steps (collective): each rank's
-    seconds per row from its mean compute over the steps timed so far, and the balanced split of
-    those speeds when it makes the step's slowest rank at least 10% faster; None keeps the split.
+    seconds per row from its mean compute over the steps timed so far (a micro-batch of n rows
+    costing n + fixed_rows rows' time), and the balanced split of those speeds when it makes the
+    step's slowest rank at least 10% faster; None keeps the split.
     Calibration times a few passes at start, while a host can still be busy with something else
     (the controller's ansible on the same cores, a container's start-up), which evens out the
     speeds it sees; the steps are what the run goes on doing."""
-    mine = torch.tensor([compute_s / (sizes[env.rank] * accum)], dtype=torch.float64, device=env.device)
+    mine = torch.tensor([compute_s / ((sizes[env.rank] + fixed_rows) * accum)], dtype=torch.float64,
+                        device=env.device)
     everyone = [torch.zeros_like(mine) for _ in range(env.world_size)]
     with watchdog.phase("all_gather the steps' seconds per row", step):
         dist.all_gather(everyone, mine)
         sync(env.device)
     row_s = [float(t) for t in everyone]
     step_rows = cfg.total_batch_size // cfg.max_seq_len
-    new = balanced_split(row_s, step_rows, cfg.device_batch_size * env.world_size)
+    new = balanced_split(row_s, step_rows, cfg.device_batch_size * env.world_size, fixed_rows)
 
     def slowest_s(split: list[int]) -> float:  # the step's compute on its slowest rank
-        return max(n * t for n, t in zip(split, row_s, strict=True)) * (step_rows // sum(split))
+        return max((n + fixed_rows) * t for n, t in zip(split, row_s, strict=True)) * (step_rows // sum(split))
 
     if new == sizes or slowest_s(new) > RESPLIT_GAIN * slowest_s(sizes):
         return None
@@ -128,18 +156,20 @@ def check_split(cfg: TrainConfig, env: DistEnv, sizes: list[int], accum: int, co
     return new
 
 
-def choose_split(cfg: TrainConfig, env: DistEnv, model: GPT, ctx, watchdog: Watchdog, saved: list[int] | None,
-                 ) -> list[int]:
-    """Each rank's rows per micro-step: as given, even, as the checkpoint saved them, or calibrated."""
+def choose_split(cfg: TrainConfig, env: DistEnv, model: GPT, ctx, watchdog: Watchdog, extra: dict,
+                 ) -> tuple[list[int], float]:
+    """Each rank's rows per micro-step: as given, even, as the checkpoint saved them, or calibrated;
+    and a micro-batch's fixed cost in rows, which the check of a calibrated split uses."""
     explicit = explicit_rank_batch_sizes(cfg, env.world_size)
     if explicit is not None:
-        return explicit
+        return explicit, 0.0
     if cfg.rank_batch_sizes != "auto" or not env.distributed:
-        return [cfg.device_batch_size] * env.world_size
+        return [cfg.device_batch_size] * env.world_size, 0.0
+    saved = extra.get("rank_batch_sizes")
     if saved is not None and len(saved) == env.world_size:
         if env.master:
             log(env, f"work split from the checkpoint: {saved}")
-        return saved
+        return saved, float(extra.get("split_fixed_rows", 0.0))  # checkpoints before it: rows alone
     return calibrate_split(model, cfg, env, ctx, watchdog)
 
 
