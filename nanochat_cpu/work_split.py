@@ -39,6 +39,11 @@ def min_max_split(row_seconds: list[float], rows: int, fixed_rows: float = 0.0) 
     return sizes
 
 
+def slowest_rank_s(sizes: list[int], row_seconds: list[float], fixed_rows: float) -> float:
+    """A micro-step's time on its slowest rank: n rows cost (n + fixed_rows) x the rank's seconds per row."""
+    return max((n + fixed_rows) * t for n, t in zip(sizes, row_seconds, strict=True))
+
+
 def balanced_split(row_seconds: list[float], step_rows: int, configured: int, fixed_rows: float = 0.0) -> list[int]:
     """Each rank's rows per micro-step, from each rank's measured seconds per row.
 
@@ -54,8 +59,7 @@ def balanced_split(row_seconds: list[float], step_rows: int, configured: int, fi
     for rows in range(world, 2 * configured + 1):
         if step_rows % rows == 0:
             sizes = min_max_split(row_seconds, rows, fixed_rows)
-            slowest = max((n + fixed_rows) * t for n, t in zip(sizes, row_seconds, strict=True))
-            options.append((slowest / rows, rows, sizes))
+            options.append((slowest_rank_s(sizes, row_seconds, fixed_rows) / rows, rows, sizes))
     best = min(cost for cost, _, _ in options)
     return min((o for o in options if o[0] <= best * 1.03), key=lambda o: (abs(o[1] - configured), o[1]))[2]
 
@@ -88,6 +92,7 @@ def calibrate_split(model: GPT, cfg: TrainConfig, env: DistEnv, ctx, watchdog: W
     other = 1 if full > 1 else 2  # a second row count, for the fixed cost: one row, where it weighs most
     gen = torch.Generator().manual_seed(cfg.seed)  # not the global RNG: training stays reproducible
     rows = torch.randint(0, model.cfg.vocab_size, (max(full, other), cfg.max_seq_len + 1), generator=gen)
+    batches = {n: (rows[:n, :-1].to(env.device), rows[:n, 1:].to(env.device)) for n in (full, other)}
     times: dict[int, list[float]] = {full: [], other: []}
     # each shape's first pass warms up allocators and kernels. Then time at least CALIBRATION_SECONDS:
     # a CPU quota (a container, a cgroup) lets a process run at full speed for the first part of each
@@ -95,7 +100,7 @@ def calibrate_split(model: GPT, cfg: TrainConfig, env: DistEnv, ctx, watchdog: W
     # The two shapes alternate, so a host that gets busier or idler mid-way skews both alike
     while min(map(len, times.values())) < 3 or sum(sum(t[1:]) for t in times.values()) < CALIBRATION_SECONDS:
         for n, seen in times.items():
-            x, y = rows[:n, :-1].to(env.device), rows[:n, 1:].to(env.device)
+            x, y = batches[n]
             t0 = time.perf_counter()
             with ctx:
                 model(x, y).backward()
@@ -144,7 +149,7 @@ def check_split(cfg: TrainConfig, env: DistEnv, sizes: list[int], accum: int, fi
     new = balanced_split(row_s, step_rows, cfg.device_batch_size * env.world_size, fixed_rows)
 
     def slowest_s(split: list[int]) -> float:  # the step's compute on its slowest rank
-        return max((n + fixed_rows) * t for n, t in zip(split, row_s, strict=True)) * (step_rows // sum(split))
+        return slowest_rank_s(split, row_s, fixed_rows) * (step_rows // sum(split))
 
     if new == sizes or slowest_s(new) > RESPLIT_GAIN * slowest_s(sizes):
         return None
