@@ -22,7 +22,12 @@ Split `off` = the same rows on every rank; `on` = --rank-batch-sizes auto (measu
 Comm `fp32` = gradients and parameters travel in fp32; `bf16` = --grad-comm-dtype and
 --param-comm-dtype bfloat16 (half the bytes each way). Solo runs always use fp32 (no wire).
 Tokens per step are set per depth (--tokens-per-step 4:3072,8:12288): the wire bytes per step are
-fixed by the model, so a larger step hides them behind more compute.
+fixed by the model, so a larger step hides them behind more compute. `--batch-per cluster` (the
+default) runs a cluster at those tokens across its nodes, as a solo steps on them alone; `node`
+gives every node those tokens, so N nodes step on N times as many: DiLoCo's framing, where each
+worker keeps the batch it trains with alone and the global batch grows with the workers (with
+local steps each node runs its optimizer on the whole model every inner step, and this keeps that
+cost the share of a step it is alone). Efficiency is ÷ Σ solos at --tokens-per-step either way.
 Sync `--sync-every 1` = every step synchronous (ZeRO-2); H > 1 = DiLoCo, the nodes train alone and
 meet every H steps; `auto` = the trainer picks H (column `h` = the H it used, from its
 `sync-every auto: H=` line). Solo runs are always --sync-every 1. The local rows start local steps at
@@ -143,6 +148,11 @@ def steps_for(sync_every: str, args: argparse.Namespace) -> int:
     return h * max(1, math.ceil(args.warmup_steps / h)) + 2 * h
 
 
+def step_tokens(args: argparse.Namespace, depth: int, world: int) -> int:
+    """--total-batch-size of a run on `world` nodes (one rank each): see --batch-per."""
+    return args.tokens_per_step[depth] * (world if args.batch_per == "node" else 1)
+
+
 def measured_window(out: str, sync_every: str, warmup: int, num_steps: int) -> tuple[int, int, int]:
     """(first, last, H): measure the steps first+1 .. last of rank 0's output `out`; H as the trainer used it."""
     if sync_every == "1":
@@ -188,7 +198,7 @@ def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: 
                 num_steps: int, sync_every: str = "1") -> Result:
     world = len(nodes)
     rows = args.rows_per_rank
-    tokens = args.tokens_per_step[depth]
+    tokens = step_tokens(args, depth, world)
     wire = "bfloat16" if comm == "bf16" else "float32"
     flags = ["--depth", str(depth), "--max-seq-len", str(args.seq), "--device-batch-size", str(rows),
              "--total-batch-size", str(tokens), "--num-iterations", str(num_steps),
@@ -214,20 +224,24 @@ def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: 
                     "--max-restarts=0", "-m", "nanochat_cpu.train", *flags])]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outs = []
+    # rank 0's whole output beside the results: the numbers behind auto's H, the timing lines; kept
+    # also when a run is cut short, whose measured steps may all be in it
+    log = args.out.with_suffix("") / f"d{depth}-n{world}-{split}-{comm}-s{sync_every}-{time.strftime('%H%M%S')}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    deadline = time.time() + args.run_timeout
     for p in procs:
         try:
-            outs.append(p.communicate(timeout=args.run_timeout)[0])
+            outs.append(p.communicate(timeout=max(1.0, deadline - time.time()))[0])
         except subprocess.TimeoutExpired as exc:
             for q in procs:
                 q.kill()
-            raise SystemExit(f"scaling_bench: a run took over {args.run_timeout}s ({[n.name for n in nodes]})") from exc
+            log.write_text(outs[0] if outs else procs[0].communicate()[0])
+            raise SystemExit(f"scaling_bench: a run took over {args.run_timeout}s ({[n.name for n in nodes]}); "
+                             f"rank 0's output: {log}") from exc
+    log.write_text(outs[0])
     for p, out, node in zip(procs, outs, nodes, strict=True):
         if p.returncode != 0:
             raise SystemExit(f"scaling_bench: the trainer failed on {node.name}:\n{out[-4000:]}")
-    # rank 0's whole output beside the results: the numbers behind auto's H, the timing lines
-    log = args.out.with_suffix("") / f"d{depth}-n{world}-{split}-{comm}-s{sync_every}-{time.strftime('%H%M%S')}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(outs[0])
     mean = window_means(outs[0], sync_every, args.warmup_steps, num_steps)
     split_line = re.search(r"rows \[([0-9, ]+)\]", outs[0])
     said = re.search(r"tok/s with \d+ ranks = ([0-9.]+)x what rank", outs[0])
@@ -280,6 +294,9 @@ def main() -> int:
     p.add_argument("--comms", default="fp32", help="dtypes on the wire: fp32, bf16 (gradients and updates)")
     p.add_argument("--tokens-per-step", type=per_depth, default=per_depth("4:3072,8:12288"),
                    help="depth:tokens per optimizer step, each divisible by seq x rows x every world size")
+    p.add_argument("--batch-per", choices=("cluster", "node"), default="cluster",
+                   help="whom --tokens-per-step is for: the cluster's step, or each node's (N nodes step on N times "
+                        "as many)")
     p.add_argument("--sync-every", type=lambda t: [sync_every_value(v) for v in t.split(",")], default=["1"],
                    help="comma list of --sync-every values for the cluster runs: 1, an integer H or auto")
     p.add_argument("--outer-lr", type=float, default=None, help="passed to the trainer (default: its own)")

@@ -7,7 +7,7 @@ import argparse
 
 import pytest
 
-from cluster.scaling_bench import Result, measured_window, steps_for, sync_every_value, window_means
+from cluster.scaling_bench import Result, measured_window, step_tokens, steps_for, sync_every_value, window_means
 
 PREFIX = "[node0 rank 0/3] "
 
@@ -35,6 +35,12 @@ def fixed_h_output(h: int, steps: int) -> str:
 
 def args(**kw) -> argparse.Namespace:
     return argparse.Namespace(**{"steps": 4, "auto_steps": 100, "warmup_steps": 2, **kw})
+
+
+def test_a_node_batch_grows_the_clusters_step_and_keeps_the_solos():
+    per_depth = {8: 12_288}
+    assert [step_tokens(args(tokens_per_step=per_depth, batch_per="cluster"), 8, w) for w in (1, 3)] == [12_288] * 2
+    assert [step_tokens(args(tokens_per_step=per_depth, batch_per="node"), 8, w) for w in (1, 3)] == [12_288, 36_864]
 
 
 def test_sync_every_values():
