@@ -20,6 +20,11 @@ The cluster is modelled as
 
 The wire's bytes per step are set by the model, not by T, so a larger global batch always helps
 a cluster on a slow link: the break-even T is where the two lines cross.
+
+With local steps a node runs its optimizer on the whole model every inner step, for its share of
+the batch, where alone it would run it once for all of it. On a slow link that, not the wire, is
+what holds the cluster back (10 Mbit/s, depth 8: 22% of a node's inner step, docs/BENCHMARKS.md),
+and the lever is more tokens per node per inner step: `local_optimizer_hint` names the batch.
 """
 
 from __future__ import annotations
@@ -80,6 +85,28 @@ def estimate(timings: list[RankTiming], total_tokens: int, local_steps: bool = F
     return Estimate(total_tokens / step_s, alone, fastest, break_even)
 
 
+LOCAL_OPTIMIZER_SHARE = 0.1  # with local steps: a node's optimizer share of its own work worth a hint
+
+
+def local_optimizer_hint(timings: list[RankTiming], total_tokens: int, unit: int) -> str | None:
+    """With local steps: where a node's optimizer is a large share of its work (compute + optimizer,
+    the wire left out: auto's H keeps that small), the batch that gives each node the tokens the
+    whole cluster steps on now, as one node alone would (the optimizer's cost does not grow with
+    the tokens, the compute does)."""
+    nodes = len({t.host for t in timings})
+    worst = max(timings, key=lambda t: optimizer_alone_s(t, 1) / max(t.compute_s + optimizer_alone_s(t, 1), 1e-9))
+    opt = optimizer_alone_s(worst, 1)
+    share = opt / max(worst.compute_s + opt, 1e-9)
+    if nodes < 2 or share < LOCAL_OPTIMIZER_SHARE:
+        return None
+    after = opt / (nodes * worst.compute_s + opt)
+    wider = round_up(nodes * total_tokens, unit)
+    return (f"each node runs its optimizer on the whole model every inner step: {opt:.2f} s to its "
+            f"{worst.compute_s:.2f} s of compute ({share:.0%} of its work) on {worst.tokens:,} tokens; "
+            f"--total-batch-size {wider:,} gives each node the {total_tokens:,} tokens the cluster steps on now "
+            f"(optimizer ~{after:.0%}; fewer, larger steps: see docs/TRAINER.md for what that costs in val bpb)")
+
+
 def round_up(tokens: int, unit: int) -> int:
     return -(-tokens // unit) * unit
 
@@ -92,8 +119,9 @@ def verdict(est: Estimate, timings: list[RankTiming], total_tokens: int, unit: i
            f"ranks {'+'.join(map(str, ranks))}@{est.fastest} would do alone as one process")
     head = (f"cluster {est.cluster_tok_per_s:,.0f} tok/s with {len(timings)} ranks = {est.vs_fastest:.2f}x what "
             f"{who} (~{est.alone_tok_per_s[est.fastest]:,.0f} tok/s, est.)")
+    hint = local_optimizer_hint(timings, total_tokens, unit) if local_steps else None
     if est.vs_fastest >= 1:
-        return False, f"FASTER THAN ONE NODE: {head}"
+        return False, f"FASTER THAN ONE NODE: {head}" + (f". To gain more: {hint}" if hint else "")
     compute = max(t.compute_s for t in timings)
     wait = max(t.wait_s for t in timings)
     fixes = []
@@ -108,6 +136,8 @@ def verdict(est: Estimate, timings: list[RankTiming], total_tokens: int, unit: i
     if compute > 1.2 * quickest:
         fixes.append(f"--rank-batch-sizes auto or per-host rows (compute per step is uneven: {quickest:.2f}-"
                      f"{compute:.2f} s)")
+    if hint:
+        fixes.append(hint)
     fixes.append("or leave the host on the slowest link or CPU out")
     return True, (f"SLOWER THAN ONE NODE: {head}. Per step the slowest rank computes {compute:.2f} s and a rank "
                   f"waits up to {wait:.2f} s in collectives. Fix: " + "; ".join(fixes))

@@ -64,3 +64,27 @@ def test_ranks_sharing_a_host_are_compared_with_that_host_as_one_process():
     assert est.vs_fastest == pytest.approx(1.0, abs=0.01)
     _, line = verdict(est, timings, 1024, 1024)
     assert "with 2 ranks = 1.00x what ranks 0+1@vm would do alone as one process (~1,552 tok/s, est.)" in line
+
+
+def test_local_steps_name_the_batch_that_shrinks_each_nodes_optimizer():
+    # depth 8, 10 Mbit/s, H = 4, 12,288 tokens a step (BENCHMARKS 2026-12-03 third): rank 0's
+    # means over the phase of steps 9-12, its outer sync included (dt 26.5, 26.8, 24.9, 136.2 s)
+    tokens, unit = 12_288, 3 * 2 * 256
+    timings = [RankTiming(f"node{r}", tokens // 3, c, w, 53.600)
+               for r, (c, w) in enumerate(((20.451, 27.376), (20.253, 27.480), (20.100, 27.729)))]
+    est = estimate(timings, tokens, local_steps=True)
+    slower, line = verdict(est, timings, tokens, unit, local_steps=True)
+    assert not slower
+    # node1's optimizer is the largest share of its own work: 5.867 / (20.253 + 5.867)
+    assert ("To gain more: each node runs its optimizer on the whole model every inner step: 5.87 s to its "
+            "20.25 s of compute (22% of its work) on 4,096 tokens; --total-batch-size 36,864 gives each node the "
+            "12,288 tokens the cluster steps on now (optimizer ~9%") in line
+    # synchronous steps share the optimizer out (ZeRO-2): no such hint
+    assert "To gain more" not in verdict(est, timings, tokens, unit)[1]
+
+
+def test_a_node_whose_optimizer_is_a_small_share_gets_no_hint():
+    # 1.4 s of optimizer to 16.7 s of compute: 8% of the node's work, under the 10% worth a line
+    timings = [RankTiming(f"node{r}", 4096, 16.7, 1.0, 19.1) for r in range(3)]
+    est = estimate(timings, 12_288, local_steps=True)
+    assert "To gain more" not in verdict(est, timings, 12_288, 1536, local_steps=True)[1]
