@@ -234,7 +234,8 @@ def test_a_split_measured_while_a_host_was_busy_is_corrected_by_the_first_steps(
                                                                                 tmp_path):
     """Two busy loops share node 1's core while the ranks calibrate, then stop, as a controller's
     ansible does on a host that is also a node: the calibration gives node 0 most of the eight rows,
-    the first timed steps show the nodes equally fast, and the split goes back to four rows each;
+    the first timed steps show the nodes equally fast, and the split goes back to four rows each
+    (or within a row of it);
     the next checkpoints hold the new split. The rows are long enough (4 layers of width 256, 256
     tokens) that a row's compute, not a step's fixed costs, is what the ranks time, and many enough
     that no rank is left with one row: a 1-row pass costs 10-40% more per row on these CPUs, which
@@ -263,14 +264,18 @@ def test_a_split_measured_while_a_host_was_busy_is_corrected_by_the_first_steps(
     calibrated = re.search(r"batch: 2,048 tokens/step = 1 micro-steps x rows \[(\d+), (\d+)\] x 256 tokens", out0)
     assert calibrated and int(calibrated.group(1)) >= 5, out0  # node 1 looked at least 1.6x slower
     checked = re.search(r"work split checked against steps to (\d+): rank 0@\S+ \d+ ms/row, rank 1@\S+ \d+ ms/row -> "
-                        rf"rows \[4, 4\] instead of \[{calibrated.group(1)}, {calibrated.group(2)}\]", out0)
+                        rf"rows \[(\d+), (\d+)\] instead of \[{calibrated.group(1)}, {calibrated.group(2)}\]", out0)
     assert checked, out0
     assert int(checked.group(1)) == 3  # steps 2 and 3: a process's first step is not timed
-    assert "batch: 2,048 tokens/step = 1 micro-steps x rows [4, 4] x 256 tokens" in out0
+    # back to even, or within a row of it: the check has two ~1-s steps on a shared 2-vCPU host (in
+    # one CI run rank 1 measured 183 ms/row on 2 rows there, then 134 on 3, as fast as rank 0)
+    split = [int(checked.group(2)), int(checked.group(3))]
+    assert split in ([4, 4], [5, 3]) and split[0] < int(calibrated.group(1)), out0
+    assert f"batch: 2,048 tokens/step = 1 micro-steps x rows {split} x 256 tokens" in out0
     full = losses(out0)
     assert sorted(full) == list(range(1, 13))
     saved = torch.load(tmp_path / "node0" / "checkpoints" / "step_000004" / "rank0.pt", weights_only=False)
-    assert saved["extra"]["rank_batch_sizes"] == [4, 4]
+    assert saved["extra"]["rank_batch_sizes"] == split
     # resumed from step 4, with node 1's core busy again throughout: the checkpoint's split was
     # checked, so it stays (a new one would change the redone steps' losses), and the losses equal
     # the uninterrupted run's, which also shows the re-split run's loader and loss weights were right
@@ -293,7 +298,7 @@ def test_a_split_measured_while_a_host_was_busy_is_corrected_by_the_first_steps(
         for h in hogs:
             h.kill()
     assert code0 == 0 and code1 == 0, resumed_out + out1
-    assert "work split from the checkpoint: [4, 4]" in resumed_out
+    assert f"work split from the checkpoint: {split}" in resumed_out
     assert "work split checked" not in resumed_out, resumed_out
     resumed = losses(resumed_out)
     assert sorted(resumed) == list(range(5, 13)), resumed_out
