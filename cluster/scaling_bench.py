@@ -43,6 +43,16 @@ out. An integer H runs H x max(1, ceil(warmup / H)) + 2H steps: exactly two whol
 measured. auto runs --auto-steps steps (H is not known before: the trainer caps it at 100) and
 measures every whole period after the pick (column `periods`); it stops with the step count to
 use when not even one fits.
+A cluster run is measured once rank 0 gives its verdict at the last step (`at the end:`): the
+bench then SIGKILLs the trainers rather than wait for the run's final checkpoint (every rank's state
+to every disk: minutes on a 10 Mbit/s link, and nothing it measures).
+
+`--alongside` also measures, before each cluster size and CPU plan, those nodes training alone all
+at the same time (a world of one each, its own batch; all stop when the first logs its last step).
+On this host the nodes share two vCPUs and their caches, so each computes slower beside the others
+than alone on an idle host; column `efficiency_alongside` = cluster tok/s / the sum of these solos
+leaves that out: it is what the method itself loses (the wire, the waiting, the outer syncs), the
+figure for nodes that are separate machines. `efficiency` stays ÷ the solos alone.
 Results go to build/scaling.json as they come (rank 0's output of each run to build/scaling/), the table to
 stdout at the end.
 """
@@ -57,7 +67,9 @@ import re
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -103,6 +115,8 @@ class Result:
     h: int = 1  # the H the trainer used
     outer_sync_ms: float | None = None  # mean sync_s of the window's outer syncs
     periods: int | None = None  # whole outer periods measured (H > 1)
+    alongside: int | None = None  # a solo run while this many nodes (itself included) trained alone at once
+    efficiency_alongside: float | None = None  # tok/s / the sum of the nodes' solos run alongside each other
 
 
 def sh(cmd: list[str], timeout: float = 600, check: bool = True) -> subprocess.CompletedProcess:
@@ -194,14 +208,12 @@ def window_means(out: str, sync_every: str, warmup: int, num_steps: int) -> dict
     return mean
 
 
-def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: str, comm: str, dataset: str,
-                num_steps: int, sync_every: str = "1") -> Result:
-    world = len(nodes)
+def trainer_flags(args: argparse.Namespace, depth: int, world: int, split: str, comm: str, dataset: str,
+                  num_steps: int, sync_every: str) -> list[str]:
     rows = args.rows_per_rank
-    tokens = step_tokens(args, depth, world)
     wire = "bfloat16" if comm == "bf16" else "float32"
     flags = ["--depth", str(depth), "--max-seq-len", str(args.seq), "--device-batch-size", str(rows),
-             "--total-batch-size", str(tokens), "--num-iterations", str(num_steps),
+             "--total-batch-size", str(step_tokens(args, depth, world)), "--num-iterations", str(num_steps),
              "--grad-comm-dtype", wire, "--param-comm-dtype", wire,
              "--dtype", "float32",  # the published table computes in fp32
              "--eval-every", "0", "--eval-tokens", str(args.seq * rows * world), "--sample-every", "0",
@@ -214,43 +226,121 @@ def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: 
     for name in ("outer_lr", "outer_momentum", "sync_warmup_ratio"):  # unset: the trainer's defaults
         if getattr(args, name) is not None:
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return flags
+
+
+def launch(nodes: list[Node], flags: list[str]) -> list[subprocess.Popen]:
+    """One trainer world across `nodes` (one rank each), started as the units start it."""
     procs = []
     for rank, node in enumerate(nodes):
         env = {"GLOO_SOCKET_IFNAME": node.interface, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
         cmd = ["podman", "exec", *[f"--env={k}={v}" for k, v in env.items()], node.container, "sh", "-c",
                "rm -rf /tmp/nanochat-scaling && exec " + " ".join(
-                   [VENV, "-m", "nanochat_cpu.launch", f"--nnodes={world}", "--nproc-per-node=1",
+                   [VENV, "-m", "nanochat_cpu.launch", f"--nnodes={len(nodes)}", "--nproc-per-node=1",
                     f"--node-rank={rank}", f"--master-addr={nodes[0].ipv4}", "--master-port=29500",
                     "--max-restarts=0", "-m", "nanochat_cpu.train", *flags])]
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    outs = []
-    # rank 0's whole output beside the results: the numbers behind auto's H, the timing lines; kept
-    # also when a run is cut short, whose measured steps may all be in it
-    log = args.out.with_suffix("") / f"d{depth}-n{world}-{split}-{comm}-s{sync_every}-{time.strftime('%H%M%S')}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    deadline = time.time() + args.run_timeout
-    for p in procs:
-        try:
-            outs.append(p.communicate(timeout=max(1.0, deadline - time.time()))[0])
-        except subprocess.TimeoutExpired as exc:
-            for q in procs:
-                q.kill()
-            log.write_text(outs[0] if outs else procs[0].communicate()[0])
-            raise SystemExit(f"scaling_bench: a run took over {args.run_timeout}s ({[n.name for n in nodes]}); "
-                             f"rank 0's output: {log}") from exc
-    log.write_text(outs[0])
-    for p, out, node in zip(procs, outs, nodes, strict=True):
-        if p.returncode != 0:
-            raise SystemExit(f"scaling_bench: the trainer failed on {node.name}:\n{out[-4000:]}")
-    mean = window_means(outs[0], sync_every, args.warmup_steps, num_steps)
-    split_line = re.search(r"rows \[([0-9, ]+)\]", outs[0])
-    said = re.search(r"tok/s with \d+ ranks = ([0-9.]+)x what rank", outs[0])
+    return procs
+
+
+def kill_trainers(nodes: list[Node]) -> Callable[[], None]:
+    def kill() -> None:  # SIGKILL: a SIGTERMed trainer would write a checkpoint first
+        for node in nodes:
+            sh(["podman", "exec", node.container, "pkill", "-KILL", "-f", "nanochat_cpu"], check=False)
+    return kill
+
+
+def collect(procs: list[subprocess.Popen], timeout: float, measured: Callable[[list[str]], bool],
+            kill: Callable[[], None]) -> tuple[list[str], bool, bool]:
+    """(every process's output, cut, timed_out). Once `measured(the outputs so far)`, `kill()` (cut):
+    what follows the measured steps is the run's final checkpoint, which on a 10 Mbit/s link takes
+    minutes and tells the bench nothing. Past `timeout` seconds, `kill()` too (timed_out)."""
+    chunks: list[list[str]] = [[] for _ in procs]
+    readers = [threading.Thread(target=chunk.extend, args=(p.stdout,), daemon=True)
+               for p, chunk in zip(procs, chunks, strict=True)]
+    for r in readers:
+        r.start()
+    deadline, cut = time.time() + timeout, False
+    while any(p.poll() is None for p in procs):
+        if time.time() > deadline or (not cut and measured(["".join(c) for c in chunks])):
+            cut = time.time() <= deadline
+            kill()
+            for p in procs:
+                p.wait(timeout=60)
+            break
+        time.sleep(1)
+    for r in readers:
+        r.join(timeout=60)
+    return ["".join(c) for c in chunks], cut, not cut and time.time() > deadline
+
+
+def last_step_logged(out: str, num_steps: int) -> bool:
+    return any(int(m.group(1)) == num_steps for m in STEP.finditer(out))
+
+
+def result_of(out: str, args: argparse.Namespace, depth: int, world: int, split: str, comm: str, sync_every: str,
+              num_steps: int) -> Result:
+    mean = window_means(out, sync_every, args.warmup_steps, num_steps)
+    tokens = step_tokens(args, depth, world)
+    split_line = re.search(r"rows \[([0-9, ]+)\]", out)
+    said = re.search(r"tok/s with \d+ ranks = ([0-9.]+)x what rank", out)
     return Result(depth=depth, nodes=world, link="", cpu="", split=split, comm=comm, tokens_per_step=tokens,
                   tok_per_s=round(tokens / (mean["dt"] / 1000), 1), step_ms=round(mean["dt"]),
                   compute_ms=round(mean["compute"]), optim_ms=round(mean["optim"]),
                   comm_wait_ms=round(mean["comm"]), rows=split_line.group(1).replace(" ", "") if split_line else "",
                   vs_fastest_est=float(said.group(1)) if said else None, sync_every=sync_every, h=mean["h"],
                   outer_sync_ms=mean["outer_sync_ms"], periods=mean["periods"])
+
+
+def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: str, comm: str, dataset: str,
+                num_steps: int, sync_every: str = "1") -> Result:
+    world = len(nodes)
+    procs = launch(nodes, trainer_flags(args, depth, world, split, comm, dataset, num_steps, sync_every))
+    # a cluster run is measured once rank 0 gives its verdict at the last step, before the final checkpoint
+    outs, cut, timed_out = collect(procs, args.run_timeout, lambda outs: world > 1 and "at the end:" in outs[0],
+                                   kill_trainers(nodes))
+    # rank 0's whole output beside the results: the numbers behind auto's H, the timing lines; kept
+    # also when a run is cut short, whose measured steps may all be in it
+    log = args.out.with_suffix("") / f"d{depth}-n{world}-{split}-{comm}-s{sync_every}-{time.strftime('%H%M%S')}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(outs[0])
+    if timed_out:
+        raise SystemExit(f"scaling_bench: a run took over {args.run_timeout}s ({[n.name for n in nodes]}); "
+                         f"rank 0's output: {log}")
+    for p, out, node in zip(procs, outs, nodes, strict=True):
+        if p.returncode != 0 and not cut:
+            raise SystemExit(f"scaling_bench: the trainer failed on {node.name}:\n{out[-4000:]}")
+    return result_of(outs[0], args, depth, world, split, comm, sync_every, num_steps)
+
+
+def run_solos_alongside(nodes: list[Node], args: argparse.Namespace, depth: int, dataset: str,
+                        num_steps: int) -> list[Result]:
+    """Every node trains alone (a world of one, its own batch), all at the same time: what the nodes
+    compute side by side on this host, where they share its cores and caches. All stop when the first
+    logs its last step; each is measured over its steps after the warm-up up to then."""
+    flags = trainer_flags(args, depth, 1, "off", "fp32", dataset, num_steps, "1")
+    runs = [launch([node], flags) for node in nodes]
+    procs = [p for run in runs for p in run]
+
+    def first_done(outs: list[str]) -> bool:
+        return any(last_step_logged(out, num_steps) for out in outs)
+
+    outs, _, timed_out = collect(procs, args.run_timeout, first_done, kill_trainers(nodes))
+    stamp = time.strftime("%H%M%S")
+    results = []
+    for node, out in zip(nodes, outs, strict=True):
+        log = args.out.with_suffix("") / f"d{depth}-solo-alongside{len(nodes)}-{node.name}-{stamp}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text(out)
+        logged = max((int(m.group(1)) for m in STEP.finditer(out)), default=0)
+        if logged <= args.warmup_steps:
+            why = f"took over {args.run_timeout}s" if timed_out else f"logged {logged} steps when the first finished"
+            raise SystemExit(f"scaling_bench: {node.name}'s solo beside {len(nodes) - 1} others {why}: none "
+                             f"measured after the {args.warmup_steps} warm-up steps (raise --solo-steps); {log}")
+        r = result_of(out, args, depth, 1, "off", "fp32", "1", logged)
+        r.alongside = len(nodes)
+        results.append(r)
+    return results
 
 
 def cpu_plan(nodes: list[Node], mode: str, even: float) -> dict[str, float]:
@@ -261,9 +351,9 @@ def cpu_plan(nodes: list[Node], mode: str, even: float) -> dict[str, float]:
 
 
 def print_table(results: list[Result]) -> None:
-    cols = ["depth", "tokens_per_step", "nodes", "link", "cpu", "split", "comm", "sync_every", "h", "rows",
-            "tok_per_s", "efficiency", "vs_fastest", "vs_fastest_est", "step_ms", "compute_ms", "optim_ms",
-            "comm_wait_ms", "outer_sync_ms", "periods"]
+    cols = ["depth", "tokens_per_step", "nodes", "alongside", "link", "cpu", "split", "comm", "sync_every", "h",
+            "rows", "tok_per_s", "efficiency", "efficiency_alongside", "vs_fastest", "vs_fastest_est", "step_ms",
+            "compute_ms", "optim_ms", "comm_wait_ms", "outer_sync_ms", "periods"]
     print("| " + " | ".join(cols) + " |")
     print("|" + "---|" * len(cols))
     for r in results:
@@ -311,6 +401,10 @@ def main() -> int:
     p.add_argument("--solos-from", type=Path, action="append", default=[],
                    help="reuse the solo runs of an earlier --out file (same depth, tokens and CPU) instead of "
                         "measuring them again")
+    p.add_argument("--alongside", action="store_true",
+                   help="also measure each cluster's nodes training alone at the same time (column "
+                        "efficiency_alongside = tok/s / the sum of those): what the method loses, apart from what the "
+                        "nodes lose to sharing this host's cores and caches")
     p.add_argument("--run-timeout", type=float, default=1200,
                    help="seconds one trainer run may take (--sync-every 32 runs 96 steps: raise it at depth 8)")
     p.add_argument("--out", type=Path, default=REPO / "build/scaling.json")
@@ -329,9 +423,11 @@ def main() -> int:
     for n in nodes:
         set_link(n, "none")
     solo: dict[tuple[int, float], float] = {}  # (depth, cpus) -> tok/s; the nodes are identical but for CPU
+    alongside: dict[tuple[int, int, str], list[float]] = {}  # (depth, size, cpu mode) -> each node's tok/s
     for earlier in args.solos_from:
         for r in json.loads(earlier.read_text()):
-            if r["nodes"] == 1 and r["tokens_per_step"] == args.tokens_per_step.get(r["depth"]):
+            if r["nodes"] == 1 and not r.get("alongside") and r["tokens_per_step"] == args.tokens_per_step.get(
+                    r["depth"]):
                 solo[(r["depth"], float(r["cpu"]))] = r["tok_per_s"]
                 record(Result(**r))
     for depth in depths:
@@ -354,6 +450,12 @@ def main() -> int:
                     plan = cpu_plan(members, mode, args.cpu_even)
                     for n in members:
                         set_cpu(n, plan[n.name])
+                    if args.alongside and (depth, size, mode) not in alongside:
+                        solos = run_solos_alongside(members, args, depth, dataset, args.solo_steps or args.steps)
+                        for n, r in zip(members, solos, strict=True):
+                            r.link, r.cpu = "-", f"{plan[n.name]:g}"
+                            record(r)
+                        alongside[(depth, size, mode)] = [r.tok_per_s for r in solos]
                     for split, comm, sync_every in itertools.product(args.splits.split(","), args.comms.split(","),
                                                                      args.sync_every):
                         if split == "on" and mode == "even":
@@ -365,6 +467,8 @@ def main() -> int:
                         solos = [solo[(depth, plan[n.name])] for n in members]
                         r.efficiency = round(r.tok_per_s / sum(solos), 2)
                         r.vs_fastest = round(r.tok_per_s / max(solos), 2)
+                        if (depth, size, mode) in alongside:
+                            r.efficiency_alongside = round(r.tok_per_s / sum(alongside[(depth, size, mode)]), 2)
                         record(r)
                         print(f"# {time.time() - t0:.0f}s", file=sys.stderr, flush=True)
     for n in nodes:  # back to what the inventory says

@@ -4,10 +4,22 @@ on made-up rank 0 output (the bench itself needs the container cluster)."""
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
+import time
 
 import pytest
 
-from cluster.scaling_bench import Result, measured_window, step_tokens, steps_for, sync_every_value, window_means
+from cluster.scaling_bench import (
+    Result,
+    collect,
+    last_step_logged,
+    measured_window,
+    step_tokens,
+    steps_for,
+    sync_every_value,
+    window_means,
+)
 
 PREFIX = "[node0 rank 0/3] "
 
@@ -114,3 +126,32 @@ def test_window_mean_counts_each_boundary_step_once():
     mean = window_means(fixed_h_output(8, 24), "8", 2, 24)
     assert mean["dt"] == (14 * 1000 + 2 * 3000) / 16  # steps 9..24, the boundaries 16 and 24 at 3 s
     assert (mean["h"], mean["outer_sync_ms"], mean["periods"]) == (8, 2500, 2)
+
+
+def printing(*lines: str, then_sleep: float) -> subprocess.Popen:
+    """A process that prints `lines` at once and then sleeps, as a trainer writing its final checkpoint."""
+    code = f"import sys, time; print({chr(10).join(lines)!r}, flush=True); time.sleep({then_sleep})"
+    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def test_a_run_is_cut_once_it_is_measured_and_keeps_its_output():
+    procs = [printing(step_line(4, 4, 1000).strip(), "at the end: FASTER THAN ONE NODE", then_sleep=120),
+             printing("rank 1", then_sleep=120)]
+    t0 = time.time()
+    outs, cut, timed_out = collect(procs, 100, lambda outs: "at the end:" in outs[0],
+                                   lambda: [p.kill() for p in procs])
+    assert (cut, timed_out) == (True, False)
+    assert time.time() - t0 < 30  # not the 120-s "checkpoint"
+    assert "at the end: FASTER" in outs[0] and last_step_logged(outs[0], 4) and outs[1] == "rank 1\n"
+
+
+def test_a_run_past_its_timeout_is_killed_and_said_so():
+    procs = [printing("step 1", then_sleep=120)]
+    outs, cut, timed_out = collect(procs, 2, lambda outs: False, lambda: [p.kill() for p in procs])
+    assert (cut, timed_out, outs) == (False, True, ["step 1\n"])
+
+
+def test_a_run_that_ends_by_itself_is_neither_cut_nor_timed_out():
+    procs = [printing(step_line(3, 4, 1000).strip(), then_sleep=0)]
+    outs, cut, timed_out = collect(procs, 100, lambda outs: False, lambda: pytest.fail("killed a finished run"))
+    assert (cut, timed_out) == (False, False) and not last_step_logged(outs[0], 4) and last_step_logged(outs[0], 3)
