@@ -276,12 +276,12 @@ def test_a_split_measured_while_a_host_was_busy_is_corrected_by_the_first_steps(
     assert sorted(full) == list(range(1, 13))
     saved = torch.load(tmp_path / "node0" / "checkpoints" / "step_000004" / "rank0.pt", weights_only=False)
     assert saved["extra"]["rank_batch_sizes"] == split
-    # resumed from step 4, with node 1's core busy again throughout: the checkpoint's split was
+    # resumed from step 8, with node 1's core busy again throughout: the checkpoint's split was
     # checked, so it stays (a new one would change the redone steps' losses), and the losses equal
     # the uninterrupted run's, which also shows the re-split run's loader and loss weights were right
+    # (four steps, not eight from step 4: a step with node 1's core shared three ways is slow)
     for rank in range(2):
-        for step in ("step_000008", "step_000012"):
-            shutil.rmtree(tmp_path / f"node{rank}" / "checkpoints" / step)
+        shutil.rmtree(tmp_path / f"node{rank}" / "checkpoints" / "step_000012")
     port = free_port()
     hogs = busy_loops(core=1)
     try:
@@ -301,7 +301,7 @@ def test_a_split_measured_while_a_host_was_busy_is_corrected_by_the_first_steps(
     assert f"work split from the checkpoint: {split}" in resumed_out
     assert "work split checked" not in resumed_out, resumed_out
     resumed = losses(resumed_out)
-    assert sorted(resumed) == list(range(5, 13)), resumed_out
+    assert sorted(resumed) == list(range(9, 13)), resumed_out
     for step, loss in resumed.items():
         assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
 
