@@ -49,10 +49,12 @@ to every disk: minutes on a 10 Mbit/s link, and nothing it measures).
 
 `--alongside` also measures, before each cluster size and CPU plan, those nodes training alone all
 at the same time (a world of one each, its own batch; all stop when the first logs its last step).
-On this host the nodes share two vCPUs and their caches, so each computes slower beside the others
-than alone on an idle host; column `efficiency_alongside` = cluster tok/s / the sum of these solos
-leaves that out: it is what the method itself loses (the wire, the waiting, the outer syncs), the
-figure for nodes that are separate machines. `efficiency` stays ÷ the solos alone.
+On this host the nodes share two vCPUs and their caches, and the VM's speed drifts from one minute
+to the next, so a node beside the others may compute at another speed than alone minutes earlier;
+column `efficiency_alongside` = cluster tok/s / the sum of these solos, measured in the same
+minutes on the same shared host, leaves that out: it is what the method itself loses (the wire, the
+waiting, the outer syncs), the figure for nodes that are separate machines. `efficiency` stays ÷
+the solos alone.
 Results go to build/scaling.json as they come (rank 0's output of each run to build/scaling/), the table to
 stdout at the end.
 """
@@ -403,8 +405,8 @@ def main() -> int:
                         "measuring them again")
     p.add_argument("--alongside", action="store_true",
                    help="also measure each cluster's nodes training alone at the same time (column "
-                        "efficiency_alongside = tok/s / the sum of those): what the method loses, apart from what the "
-                        "nodes lose to sharing this host's cores and caches")
+                        "efficiency_alongside = tok/s / the sum of those): what the method loses, apart from what "
+                        "sharing this host and its drift do to the nodes' compute")
     p.add_argument("--run-timeout", type=float, default=1200,
                    help="seconds one trainer run may take (--sync-every 32 runs 96 steps: raise it at depth 8)")
     p.add_argument("--out", type=Path, default=REPO / "build/scaling.json")
