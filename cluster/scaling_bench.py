@@ -43,6 +43,7 @@ out. An integer H runs H x max(1, ceil(warmup / H)) + 2H steps: exactly two whol
 measured. auto runs --auto-steps steps (H is not known before: the trainer caps it at 100) and
 measures every whole period after the pick (column `periods`); it stops with the step count to
 use when not even one fits.
+
 A cluster run is measured once rank 0 gives its verdict at the last step (`at the end:`): the
 bench then SIGKILLs the trainers rather than wait for the run's final checkpoint (every rank's state
 to every disk: minutes on a 10 Mbit/s link, and nothing it measures).
