@@ -263,10 +263,11 @@ def collect(procs: list[subprocess.Popen], timeout: float, measured: Callable[[l
                for p, chunk in zip(procs, chunks, strict=True)]
     for r in readers:
         r.start()
-    deadline, cut = time.time() + timeout, False
+    deadline, cut, timed_out = time.time() + timeout, False, False
     while any(p.poll() is None for p in procs):
-        if time.time() > deadline or (not cut and measured(["".join(c) for c in chunks])):
-            cut = time.time() <= deadline
+        timed_out = time.time() > deadline
+        cut = not timed_out and measured(["".join(c) for c in chunks])
+        if timed_out or cut:
             kill()
             for p in procs:
                 p.wait(timeout=60)
@@ -274,7 +275,7 @@ def collect(procs: list[subprocess.Popen], timeout: float, measured: Callable[[l
         time.sleep(1)
     for r in readers:
         r.join(timeout=60)
-    return ["".join(c) for c in chunks], cut, not cut and time.time() > deadline
+    return ["".join(c) for c in chunks], cut, timed_out
 
 
 def last_step_logged(out: str, num_steps: int) -> bool:
@@ -295,6 +296,14 @@ def result_of(out: str, args: argparse.Namespace, depth: int, world: int, split:
                   outer_sync_ms=mean["outer_sync_ms"], periods=mean["periods"])
 
 
+def write_log(args: argparse.Namespace, name: str, text: str) -> Path:
+    """A run's output beside the results (build/<out>/<name>.log)."""
+    log = args.out.with_suffix("") / f"{name}.log"
+    log.parent.mkdir(parents=True, exist_ok=True)
+    log.write_text(text)
+    return log
+
+
 def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: str, comm: str, dataset: str,
                 num_steps: int, sync_every: str = "1") -> Result:
     world = len(nodes)
@@ -304,9 +313,7 @@ def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: 
                                    kill_trainers(nodes))
     # rank 0's whole output beside the results: the numbers behind auto's H, the timing lines; kept
     # also when a run is cut short, whose measured steps may all be in it
-    log = args.out.with_suffix("") / f"d{depth}-n{world}-{split}-{comm}-s{sync_every}-{time.strftime('%H%M%S')}.log"
-    log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(outs[0])
+    log = write_log(args, f"d{depth}-n{world}-{split}-{comm}-s{sync_every}-{time.strftime('%H%M%S')}", outs[0])
     if timed_out:
         raise SystemExit(f"scaling_bench: a run took over {args.run_timeout}s ({[n.name for n in nodes]}); "
                          f"rank 0's output: {log}")
@@ -322,8 +329,7 @@ def run_solos_alongside(nodes: list[Node], args: argparse.Namespace, depth: int,
     compute side by side on this host, where they share its cores and caches. All stop when the first
     logs its last step; each is measured over its steps after the warm-up up to then."""
     flags = trainer_flags(args, depth, 1, "off", "fp32", dataset, num_steps, "1")
-    runs = [launch([node], flags) for node in nodes]
-    procs = [p for run in runs for p in run]
+    procs = [p for node in nodes for p in launch([node], flags)]
 
     def first_done(outs: list[str]) -> bool:
         return any(last_step_logged(out, num_steps) for out in outs)
@@ -332,9 +338,7 @@ def run_solos_alongside(nodes: list[Node], args: argparse.Namespace, depth: int,
     stamp = time.strftime("%H%M%S")
     results = []
     for node, out in zip(nodes, outs, strict=True):
-        log = args.out.with_suffix("") / f"d{depth}-solo-alongside{len(nodes)}-{node.name}-{stamp}.log"
-        log.parent.mkdir(parents=True, exist_ok=True)
-        log.write_text(out)
+        log = write_log(args, f"d{depth}-solo-alongside{len(nodes)}-{node.name}-{stamp}", out)
         logged = max((int(m.group(1)) for m in STEP.finditer(out)), default=0)
         if logged <= args.warmup_steps:
             why = f"took over {args.run_timeout}s" if timed_out else f"logged {logged} steps when the first finished"

@@ -130,7 +130,7 @@ def test_window_mean_counts_each_boundary_step_once():
 
 def printing(*lines: str, then_sleep: float) -> subprocess.Popen:
     """A process that prints `lines` at once and then sleeps, as a trainer writing its final checkpoint."""
-    code = f"import sys, time; print({chr(10).join(lines)!r}, flush=True); time.sleep({then_sleep})"
+    code = f"import time; print({chr(10).join(lines)!r}, flush=True); time.sleep({then_sleep})"
     return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
