@@ -118,9 +118,12 @@ def batch_problem(rows: list[str], nodes: int, device_batch: int, seq: int, tota
     return f"--total-batch-size={total} is not divisible by {which}. Nearest valid: {nearest}."
 
 
+PASSED_ON = ("outer_lr", "outer_momentum", "sync_warmup_ratio", "grad_comm_dtype", "param_comm_dtype")  # when given
+
+
 def settings_of(args: argparse.Namespace, steps: int) -> dict[str, Any]:
-    keys = ("depth", "seq", "device_batch_size", "total_batch_size", "eval_tokens", "seed", "outer_lr",
-            "outer_momentum", "sync_warmup_ratio", "data_dir", "tokenizer_dir")
+    keys = ("depth", "seq", "device_batch_size", "total_batch_size", "eval_tokens", "seed", *PASSED_ON,
+            "data_dir", "tokenizer_dir")
     return {"steps": steps, **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k in keys}}
 
 
@@ -132,7 +135,7 @@ def trainer_flags(args: argparse.Namespace, steps: int, sync_every: str, out_dir
              "--sample-every", "0", "--checkpoint-every", "0", "--checksum-every", "0", "--resume", "never",
              "--tracking-uri", "none", "--run-name", "quality", "--data-dir", str(args.data_dir),
              "--tokenizer-dir", str(args.tokenizer_dir), "--out-dir", str(out_dir)]
-    for name in ("outer_lr", "outer_momentum", "sync_warmup_ratio"):  # unset: the trainer's defaults
+    for name in PASSED_ON:  # unset: the trainer's defaults
         if getattr(args, name) is not None:
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return flags
@@ -278,6 +281,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--outer-lr", type=float, default=None, help="passed to the trainer (default: its own)")
     p.add_argument("--sync-warmup-ratio", type=float, default=None, help="passed to the trainer (default: its own)")
     p.add_argument("--outer-momentum", type=float, default=None, help="passed to the trainer (default: its own)")
+    for name in ("--grad-comm-dtype", "--param-comm-dtype"):  # what the wire's rounding costs
+        p.add_argument(name, choices=("float32", "bfloat16"), default=None,
+                       help="passed to the trainer (default: its own)")
     p.add_argument("--data-dir", type=Path, default=None)
     p.add_argument("--tokenizer-dir", type=Path, default=None)
     p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="shared out over the nodes")

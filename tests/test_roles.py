@@ -410,6 +410,7 @@ LOCALHOST_INV = """all:
          "Nearest valid total_batch_size: 2560 or 3072"),
         (["-e", "dtype=fp16"], "dtype=fp16 must be one of: auto, float32, bfloat16"),
         (["-e", "work_split=fast"], "work_split=fast must be one of: auto, even, inventory"),
+        (["-e", "grad_comm_dtype=int8"], "grad_comm_dtype=int8 must be one of: float32, bfloat16"),
         (["-e", "sync_every=0"], "sync_every=0 must be a positive integer or auto"),
         (["-e", "sync_warmup_ratio=1"], "sync_warmup_ratio=1.0 must be in [0, 1) (with local steps"),
         (["-e", "train_device=cuda"], "train_device=cuda needs torch_variant cuNNN on every node; laptop"),
@@ -486,6 +487,16 @@ def test_sync_every_and_the_outer_step_reach_the_trainer_flags(tmp_path: Path) -
     assert res.returncode == 0, res.stdout + res.stderr
     assert "--sync-every 8 --outer-lr 1.0 --outer-momentum 0.0 --sync-warmup-ratio 0 " in (
         tmp_path / "train_args").read_text()
+
+
+def test_the_wire_dtypes_reach_the_trainer_flags(tmp_path: Path) -> None:
+    """bf16 on the wire unless the run asks for fp32: the benchmarks' setting, half the bytes."""
+    res = run_validate_on_localhost(tmp_path, {})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "--grad-comm-dtype bfloat16 --param-comm-dtype bfloat16" in (tmp_path / "train_args").read_text()
+    res = run_validate_on_localhost(tmp_path, {}, "-e", "grad_comm_dtype=float32", "-e", "param_comm_dtype=float32")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "--grad-comm-dtype float32 --param-comm-dtype float32" in (tmp_path / "train_args").read_text()
 
 
 def test_work_split_from_the_inventory_is_checked_per_host(tmp_path: Path) -> None:
