@@ -42,7 +42,8 @@ the step where H was picked, so the first outer sync (for auto the one H is meas
 out. An integer H runs H x max(1, ceil(warmup / H)) + 2H steps: exactly two whole periods
 measured. auto runs --auto-steps steps (H is not known before: the trainer caps it at 100) and
 measures every whole period after the pick (column `periods`); it stops with the step count to
-use when not even one fits.
+use when not even one fits. `--auto-periods N` cuts an auto run once N whole periods after the pick
+are logged: a long --auto-steps then costs nothing past them (at 10 Mbit/s a period is 40 minutes).
 
 A cluster run is measured once rank 0 gives its verdict at the last step (`at the end:`): the
 bench then SIGKILLs the trainers rather than wait for the run's final checkpoint (every rank's state
@@ -170,27 +171,44 @@ def step_tokens(args: argparse.Namespace, depth: int, world: int) -> int:
     return args.tokens_per_step[depth] * (world if args.batch_per == "node" else 1)
 
 
+def window_starts(out: str, sync_every: str, warmup: int) -> tuple[int | None, list[int]]:
+    """(H as the trainer used it, the outer boundaries of rank 0's output `out` a window may start and
+    end at); H is None while auto has not picked it. See the module docstring's measured window."""
+    picked = AUTO.search(out) if sync_every == "auto" else None
+    if sync_every == "auto" and not picked:
+        return None, []
+    h = int(picked.group(1)) if picked else int(sync_every)
+    # the step in progress when auto picked H: the last step line before the pick
+    since = max([int(m.group(1)) for m in STEP.finditer(out, 0, picked.start())], default=0) if picked else 0
+    return h, [s for s in (int(m.group(1)) for m in OUTER.finditer(out)) if s >= max(warmup, since)]
+
+
 def measured_window(out: str, sync_every: str, warmup: int, num_steps: int) -> tuple[int, int, int]:
     """(first, last, H): measure the steps first+1 .. last of rank 0's output `out`; H as the trainer used it."""
     if sync_every == "1":
         return min(warmup, num_steps - 1), num_steps, 1
-    picked = AUTO.search(out) if sync_every == "auto" else None
-    if sync_every == "auto" and not picked:
+    h, starts = window_starts(out, sync_every, warmup)
+    if h is None:
         raise SystemExit(f"scaling_bench: no 'sync-every auto: H=' line in rank 0's output:\n{out[-3000:]}")
-    h = int(picked.group(1)) if picked else int(sync_every)
-    # the step in progress when auto picked H: the last step line before the pick
-    since = max([int(m.group(1)) for m in STEP.finditer(out, 0, picked.start())], default=0) if picked else 0
-    boundaries = [int(m.group(1)) for m in OUTER.finditer(out)]
-    starts = [s for s in boundaries if s >= max(warmup, since)]
     if not starts:
-        raise SystemExit(f"scaling_bench: no outer sync after step {max(warmup, since)} in rank 0's output (H={h}, "
-                         f"{num_steps} steps; the line looks like 'outer step K at step S'):\n{out[-3000:]}")
+        raise SystemExit(f"scaling_bench: no outer sync after the {warmup} warm-up steps (and auto's pick) in "
+                         f"rank 0's output (H={h}, {num_steps} steps; the line looks like 'outer step K at step S'):"
+                         f"\n{out[-3000:]}")
     first = starts[0]
     last = max(s for s in starts if (s - first) % h == 0)
     if last == first:
         raise SystemExit(f"scaling_bench: H={h} leaves no whole outer period after step {first} of {num_steps}; "
                          f"run at least {first + 2 * h} steps (--auto-steps)")
     return first, last, h
+
+
+def whole_periods_logged(out: str, warmup: int) -> int:
+    """auto: the whole outer periods after the pick whose last step rank 0 has logged so far."""
+    h, starts = window_starts(out, "auto", warmup)
+    if h is None or not starts:
+        return 0
+    ends = [s for s in starts if (s - starts[0]) % h == 0 and last_step_logged(out, s)]
+    return (max(ends) - starts[0]) // h if ends else 0
 
 
 def window_means(out: str, sync_every: str, warmup: int, num_steps: int) -> dict[str, float | None]:
@@ -308,9 +326,15 @@ def run_trainer(nodes: list[Node], args: argparse.Namespace, depth: int, split: 
                 num_steps: int, sync_every: str = "1") -> Result:
     world = len(nodes)
     procs = launch(nodes, trainer_flags(args, depth, world, split, comm, dataset, num_steps, sync_every))
-    # a cluster run is measured once rank 0 gives its verdict at the last step, before the final checkpoint
-    outs, cut, timed_out = collect(procs, args.run_timeout, lambda outs: world > 1 and "at the end:" in outs[0],
-                                   kill_trainers(nodes))
+    def measured(outs: list[str]) -> bool:
+        """Rank 0's verdict at the last step, before the final checkpoint; an auto run with
+        --auto-periods once that many whole periods after its pick are logged."""
+        if world == 1:
+            return False
+        return "at the end:" in outs[0] or (sync_every == "auto" and args.auto_periods > 0 and
+                                            whole_periods_logged(outs[0], args.warmup_steps) >= args.auto_periods)
+
+    outs, cut, timed_out = collect(procs, args.run_timeout, measured, kill_trainers(nodes))
     # rank 0's whole output beside the results: the numbers behind auto's H, the timing lines; kept
     # also when a run is cut short, whose measured steps may all be in it
     log = write_log(args, f"d{depth}-n{world}-{split}-{comm}-s{sync_every}-{time.strftime('%H%M%S')}", outs[0])
@@ -403,6 +427,8 @@ def main() -> int:
     p.add_argument("--outer-momentum", type=float, default=None, help="passed to the trainer (default: its own)")
     p.add_argument("--steps", type=int, default=4, help="steps of a --sync-every 1 run")
     p.add_argument("--auto-steps", type=int, default=100, help="steps of a --sync-every auto run")
+    p.add_argument("--auto-periods", type=int, default=0,
+                   help="cut an auto run once it logged this many whole periods after its pick (0: run --auto-steps)")
     p.add_argument("--solo-steps", type=int, default=None, help="steps of the solo runs (default --steps)")
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--solos-from", type=Path, action="append", default=[],

@@ -18,6 +18,7 @@ from cluster.scaling_bench import (
     step_tokens,
     steps_for,
     sync_every_value,
+    whole_periods_logged,
     window_means,
 )
 
@@ -101,6 +102,16 @@ def auto_output(h: int, steps: int, first: int = 2) -> str:
 def test_auto_window_starts_after_the_pick():
     assert measured_window(auto_output(10, 60), "auto", 2, 60) == (2, 52, 10)  # not step 60's short period
     assert measured_window(auto_output(10, 60, first=4), "auto", 0, 60) == (4, 54, 10)
+
+
+def test_auto_periods_are_counted_once_their_last_step_is_logged():
+    """--auto-periods cuts a run on this count: a period ends with its boundary's step line, which
+    the trainer logs after the outer line."""
+    out = auto_output(10, 60)
+    assert whole_periods_logged(out[: out.index("H=10 (")], 2) == 0  # not picked yet
+    assert whole_periods_logged(out[: out.index(step_line(12, 60, 1000))], 2) == 0  # 12's outer line, not its step
+    assert whole_periods_logged(out[: out.index(step_line(13, 60, 1000))], 2) == 1  # steps 3-12
+    assert whole_periods_logged(out, 2) == 5  # steps 3-52; step 60 ends a short one
 
 
 def test_auto_without_a_whole_period_names_the_steps_to_run():
