@@ -656,7 +656,7 @@ def run(cfg: TrainConfig) -> int:
         # on schedule, and always after the last step: timings, checksums, eval, sample, checkpoint
         last = step == cfg.num_iterations
         timed = (sizes, accum)  # the split the phase's timings were measured at
-        if split_times is not None and split_times.steps >= 2:  # once a process, before what times the steps
+        if split_times is not None and split_times.steps >= 2:  # once, and again when local steps begin
             # a compiled model is specialised to its shapes: a new split would recompile inside a step
             new_sizes = None if compiling.compiling else check_split(cfg, env, sizes, accum, fixed_rows,
                                                                      split_times.per_step()[0], watchdog, step)
@@ -679,6 +679,11 @@ def run(cfg: TrainConfig) -> int:
             auto_choice = choose_after_warm_up(env, warm, step, watchdog)
             if auto_choice["synchronous"]:
                 nodes, warm_until, warmed_up = None, 0, False
+        if warmed_up and cfg.rank_batch_sizes == "auto":
+            # the inner steps check the split again (and so does a resume from the warm-up's
+            # checkpoint): each node now runs its optimizer on the whole model and none waits on the
+            # wire, so ranks that share a host's cores compute at other speeds than they did
+            split_times, split_settled = PhaseTimes(), False
         if env.distributed and (schedule.due(10, step) or last):
             said_speed = log_rank_timings(cfg, env, tracker, step, *timed, *phase.per_step(), watchdog,
                                           said_speed, local_steps=diloco is not None, last=last,

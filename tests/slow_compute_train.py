@@ -1,14 +1,16 @@
 """The trainer with every step's compute made longer, for auto's warm-up (tests/test_local_steps.py).
 
-    SLOW_S=1 SLOW_RANK=1 python tests/slow_compute_train.py [train flags]
+    SLOW_S=1 SLOW_RANK=1 [SLOW_FROM=4] python tests/slow_compute_train.py [train flags]
 
-Rank SLOW_RANK's steps sleep SLOW_S seconds before their forward and backward. A tiny model on
+Rank SLOW_RANK's steps (from step SLOW_FROM on, default the first) sleep SLOW_S seconds before their
+forward and backward. A tiny model on
 loopback computes in milliseconds, so the wire's share of its synchronous step is whatever the
 machine's load makes it; a longer compute makes the slow rank's share small for certain, as a big
 model's step on a fast link does, while the other ranks wait for it. Everything else is the real
 trainer.
 """
 
+import inspect
 import os
 import time
 
@@ -18,10 +20,12 @@ _real_accumulate = train.accumulate_gradients
 
 
 _slow = os.environ.get("RANK") == os.environ["SLOW_RANK"]
+_from = int(os.environ.get("SLOW_FROM", "1"))
 
 
 def slow_accumulate(*args, **kwargs):
-    if _slow:
+    done = inspect.signature(_real_accumulate).bind(*args, **kwargs).arguments["step"]  # this computes done + 1
+    if _slow and done + 1 >= _from:
         time.sleep(float(os.environ["SLOW_S"]))
     return _real_accumulate(*args, **kwargs)
 

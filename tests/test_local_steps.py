@@ -281,6 +281,33 @@ def test_local_steps_start_after_a_synchronous_warm_up_and_resume_from_its_check
         assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
 
 
+def test_the_split_is_checked_again_when_the_local_steps_begin(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """A node whose speed changes once the inner phases begin (on a shared host each node then runs
+    its optimizer on the whole model and none waits on the wire): node 1 computes as fast as node 0
+    in the warm-up (steps 1-3), and slowly from step 4. The warm-up's check has no reason to move
+    rows to node 0; the check against the first inner steps (4-5, to auto's first outer sync at 5)
+    gives node 0 more, and the nodes' token weights follow. The warm-up's checkpoint says the split
+    is not settled, so a resume from it checks again."""
+    port, env = free_port(), {**node_env(), "SLOW_S": "0.5", "SLOW_RANK": "1", "SLOW_FROM": "4"}
+    flags = [[SLOW_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every="auto",
+                                      sync_warmup_ratio=0.25, rank_batch_sizes="auto", checkpoint_every=0,
+                                      keep_checkpoints=5)] for node in range(2)]
+    out = assert_ok(collect([spawn_node(2, n, port, flags[n], env=env) for n in range(2)], 240))
+    assert "synchronous warm-up done at step 3" in out, out
+    checks = re.findall(r"work split checked against steps to (\d+): .* -> rows \[(\d+), (\d+)\]", out)
+    assert [step for step, *_ in checks] == ["3", "5"], out
+    moved = re.search(r"work split checked against steps to 5: rank 0@\S+ \d+ ms/row, rank 1@\S+ \d+ ms/row -> "
+                      r"rows \[(\d+), (\d+)\] instead of", out)
+    assert moved and int(moved.group(1)) > int(moved.group(2)), out
+    assert f"rows [{moved.group(1)}, {moved.group(2)}] x 64 tokens" in out, out
+    assert sorted(losses(out)) == list(range(1, 13))
+    saved = torch.load(tmp_path / "n0" / "checkpoints" / "step_000003" / "rank0.pt", weights_only=False)
+    assert saved["extra"]["split_settled"] is False
+    final = torch.load(tmp_path / "n0" / "checkpoints" / "step_000012" / "rank0.pt", weights_only=False)
+    assert final["extra"]["split_settled"] is True
+    assert final["extra"]["rank_batch_sizes"] == [int(moved.group(1)), int(moved.group(2))]
+
+
 def test_the_speed_verdict_waits_for_the_local_steps_after_the_warm_up(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
     """Timings are said every 10 steps: at step 10, the warm-up's last, as the warm-up's speed only
     (a slow link makes it slower than one node, which is why local steps follow); the FASTER/SLOWER
