@@ -3,10 +3,10 @@
     SLOW_S=1 SLOW_RANK=1 [SLOW_FROM=4] python tests/slow_compute_train.py [train flags]
 
 Rank SLOW_RANK's steps (from step SLOW_FROM on, default the first) sleep SLOW_S seconds before their
-forward and backward. A tiny model on
-loopback computes in milliseconds, so the wire's share of its synchronous step is whatever the
-machine's load makes it; a longer compute makes the slow rank's share small for certain, as a big
-model's step on a fast link does, while the other ranks wait for it. Everything else is the real
+forward and backward. A tiny model on loopback computes in milliseconds, so the wire's share of its
+synchronous step is whatever the machine's load makes it; a longer compute makes the slow rank's
+share small for certain, as a big model's step on a fast link does, while the other ranks wait for
+it. A slowdown from a later step makes a node's speed change mid-run. Everything else is the real
 trainer.
 """
 

@@ -286,8 +286,8 @@ def test_the_split_is_checked_again_when_the_local_steps_begin(tiny_data_dir, ti
     its optimizer on the whole model and none waits on the wire): node 1 computes as fast as node 0
     in the warm-up (steps 1-3), and slowly from step 4. The warm-up's check has no reason to move
     rows to node 0; the check against the first inner steps (4-5, to auto's first outer sync at 5)
-    gives node 0 more, and the nodes' token weights follow. The warm-up's checkpoint says the split
-    is not settled, so a resume from it checks again."""
+    gives node 0 more. The warm-up's checkpoint saves the split as not yet settled (a resume from it
+    checks again); the last one saves the new split, settled."""
     port, env = free_port(), {**node_env(), "SLOW_S": "0.5", "SLOW_RANK": "1", "SLOW_FROM": "4"}
     flags = [[SLOW_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every="auto",
                                       sync_warmup_ratio=0.25, rank_batch_sizes="auto", checkpoint_every=0,
