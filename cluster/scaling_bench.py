@@ -207,7 +207,8 @@ def whole_periods_logged(out: str, warmup: int) -> int:
     h, starts = window_starts(out, "auto", warmup)
     if h is None or not starts:
         return 0
-    ends = [s for s in starts if (s - starts[0]) % h == 0 and last_step_logged(out, s)]
+    logged = {int(m.group(1)) for m in STEP.finditer(out)}
+    ends = [s for s in starts if (s - starts[0]) % h == 0 and s in logged]
     return (max(ends) - starts[0]) // h if ends else 0
 
 

@@ -151,13 +151,13 @@ def check_split(cfg: TrainConfig, env: DistEnv, sizes: list[int], accum: int, fi
     def slowest_s(split: list[int]) -> float:  # the step's compute on its slowest rank
         return slowest_rank_s(split, row_s, fixed_rows) * (step_rows // sum(split))
 
-    keep = new == sizes or slowest_s(new) > RESPLIT_GAIN * slowest_s(sizes)
+    now, balanced = slowest_s(sizes), slowest_s(new)
+    keep = new == sizes or balanced > RESPLIT_GAIN * now
     if env.master:
         speeds = ", ".join(f"rank {r}@{env.hosts[r]} {row_s[r] * 1000:.0f} ms/row" for r in range(env.world_size))
-        verdict = (f"rows {sizes} kept (the slowest rank's compute {slowest_s(sizes):.2f} s a step, "
-                   f"{slowest_s(new):.2f} s balanced)" if keep else
-                   f"rows {new} instead of {sizes}: the slowest rank's compute {slowest_s(sizes):.2f} s -> "
-                   f"{slowest_s(new):.2f} s a step")
+        verdict = (f"rows {sizes} kept (the slowest rank's compute {now:.2f} s a step, {balanced:.2f} s balanced)"
+                   if keep else
+                   f"rows {new} instead of {sizes}: the slowest rank's compute {now:.2f} s -> {balanced:.2f} s a step")
         log(env, f"work split checked against steps to {step}: {speeds} -> {verdict}")
     return None if keep else new
 

@@ -21,10 +21,11 @@ _real_accumulate = train.accumulate_gradients
 
 _slow = os.environ.get("RANK") == os.environ["SLOW_RANK"]
 _from = int(os.environ.get("SLOW_FROM", "1"))
+_signature = inspect.signature(_real_accumulate)
 
 
 def slow_accumulate(*args, **kwargs):
-    done = inspect.signature(_real_accumulate).bind(*args, **kwargs).arguments["step"]  # this computes done + 1
+    done = _signature.bind(*args, **kwargs).arguments["step"]  # this computes done + 1
     if _slow and done + 1 >= _from:
         time.sleep(float(os.environ["SLOW_S"]))
     return _real_accumulate(*args, **kwargs)

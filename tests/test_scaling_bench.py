@@ -7,6 +7,7 @@ import argparse
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -139,15 +140,26 @@ def test_window_mean_counts_each_boundary_step_once():
     assert (mean["h"], mean["outer_sync_ms"], mean["periods"]) == (8, 2500, 2)
 
 
-def printing(*lines: str, then_sleep: float) -> subprocess.Popen:
-    """A process that prints `lines` at once and then sleeps, as a trainer writing its final checkpoint."""
-    code = f"import time; print({chr(10).join(lines)!r}, flush=True); time.sleep({then_sleep})"
-    return subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def printing(*lines: str, then_sleep: float, after: Path | None = None, mark: Path | None = None) -> subprocess.Popen:
+    """A process that prints `lines` (once file `after` exists, if given; then it creates `mark`)
+    and then sleeps, as a trainer writing its final checkpoint."""
+    code = ["import os, time"]
+    if after is not None:
+        code.append(f"while not os.path.exists({str(after)!r}): time.sleep(0.05)")
+    code.append(f"print({chr(10).join(lines)!r}, flush=True)")
+    if mark is not None:
+        code.append(f"open({str(mark)!r}, 'w').close()")
+    code.append(f"time.sleep({then_sleep})")
+    return subprocess.Popen([sys.executable, "-c", "\n".join(code)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
 
 
-def test_a_run_is_cut_once_it_is_measured_and_keeps_its_output():
-    procs = [printing(step_line(4, 4, 1000).strip(), "at the end: FASTER THAN ONE NODE", then_sleep=120),
-             printing("rank 1", then_sleep=120)]
+def test_a_run_is_cut_once_it_is_measured_and_keeps_its_output(tmp_path: Path):
+    # rank 0's verdict comes after rank 1 has printed: a slow interpreter start must not cut rank 1 off first
+    printed = tmp_path / "rank1-printed"
+    procs = [printing(step_line(4, 4, 1000).strip(), "at the end: FASTER THAN ONE NODE", then_sleep=120,
+                      after=printed),
+             printing("rank 1", then_sleep=120, mark=printed)]
     t0 = time.time()
     outs, cut, timed_out = collect(procs, 100, lambda outs: "at the end:" in outs[0],
                                    lambda: [p.kill() for p in procs])
