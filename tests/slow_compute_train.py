@@ -1,13 +1,13 @@
 """The trainer with every step's compute made longer, for auto's warm-up (tests/test_local_steps.py).
 
-    SLOW_S=1 SLOW_RANK=1 [SLOW_FROM=4] python tests/slow_compute_train.py [train flags]
+    SLOW_S=1 SLOW_RANK=1 [SLOW_FROM=4 EARLY_RANK=0 EARLY_S=0.5] python tests/slow_compute_train.py [flags]
 
 Rank SLOW_RANK's steps (from step SLOW_FROM on, default the first) sleep SLOW_S seconds before their
-forward and backward. A tiny model on loopback computes in milliseconds, so the wire's share of its
-synchronous step is whatever the machine's load makes it; a longer compute makes the slow rank's
-share small for certain, as a big model's step on a fast link does, while the other ranks wait for
-it. A slowdown from a later step makes a node's speed change mid-run. Everything else is the real
-trainer.
+forward and backward; before SLOW_FROM rank EARLY_RANK's sleep EARLY_S (none by default), so two
+ranks can swap speeds mid-run. A tiny model on loopback computes in milliseconds, so the wire's
+share of its synchronous step is whatever the machine's load makes it; a longer compute makes the
+slow rank's share small for certain, as a big model's step on a fast link does, while the other
+ranks wait for it. Everything else is the real trainer.
 """
 
 import inspect
@@ -26,7 +26,9 @@ _signature = inspect.signature(_real_accumulate)
 
 def slow_accumulate(*args, **kwargs):
     done = _signature.bind(*args, **kwargs).arguments["step"]  # this computes done + 1
-    if _slow and done + 1 >= _from:
+    if done + 1 < _from and os.environ.get("RANK") == os.environ.get("EARLY_RANK"):
+        time.sleep(float(os.environ["EARLY_S"]))
+    elif done + 1 >= _from and _slow:
         time.sleep(float(os.environ["SLOW_S"]))
     return _real_accumulate(*args, **kwargs)
 

@@ -283,13 +283,15 @@ def test_local_steps_start_after_a_synchronous_warm_up_and_resume_from_its_check
 
 def test_the_split_is_checked_again_when_the_local_steps_begin(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
     """A node whose speed changes once the inner phases begin (on a shared host each node then runs
-    its optimizer on the whole model and none waits on the wire): node 1 computes as fast as node 0
-    in the warm-up (steps 1-3), and slowly from step 4. The warm-up's check has no reason to move
-    rows to node 0; the check against the first inner steps (4-5, to auto's first outer sync at 5)
-    gives node 0 more. The warm-up's checkpoint saves the split as not yet settled (a resume from it
-    checks again); the last one saves the new split, settled."""
-    port, env = free_port(), {**node_env(), "SLOW_S": "0.5", "SLOW_RANK": "1", "SLOW_FROM": "4"}
-    flags = [[SLOW_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every="auto",
+    its optimizer on the whole model and none waits on the wire): node 0 is the slow one in the
+    warm-up (steps 1-3), node 1 from step 4, each by far more than the machine's load does to
+    milliseconds of compute. The warm-up's check leaves node 0 no more rows than node 1; the check
+    against the first inner steps (4-5, to the first outer sync at 5) gives node 0 more. The
+    warm-up's checkpoint saves the split as not yet settled (a resume from it checks again); the
+    last one saves the new split, settled."""
+    port = free_port()
+    env = {**node_env(), "SLOW_S": "0.5", "SLOW_RANK": "1", "SLOW_FROM": "4", "EARLY_RANK": "0", "EARLY_S": "0.5"}
+    flags = [[SLOW_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=2,
                                       sync_warmup_ratio=0.25, rank_batch_sizes="auto", checkpoint_every=0,
                                       keep_checkpoints=5)] for node in range(2)]
     out = assert_ok(collect([spawn_node(2, n, port, flags[n], env=env) for n in range(2)], 240))
