@@ -49,11 +49,24 @@ def busy_loops(core: int, count: int = 2) -> list[subprocess.Popen]:
                              start_new_session=True) for _ in range(count)]
 
 
+def read_line(proc) -> str:
+    """One line of a node's output, read a byte at a time from the pipe itself: a buffered readline
+    would also take what follows into the file object's buffer, and `communicate` (which reads the
+    pipe's descriptor) would never see it: a line printed right after `pattern` went missing so."""
+    line = bytearray()
+    while not line.endswith(b"\n"):
+        byte = os.read(proc.stdout.fileno(), 1)
+        if not byte:
+            break
+        line += byte
+    return line.decode(errors="replace")
+
+
 def read_until(proc, pattern: str, timeout: float) -> str:
     """Collect a node's output until `pattern` shows up (or fail)."""
     seen, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
-        line = proc.stdout.readline()
+        line = read_line(proc)
         if not line:
             break
         seen.append(line)
