@@ -116,7 +116,8 @@ class TrainConfig:
         default=SYNC_WARMUP_RATIO,
         metadata={"help": "with local steps (--sync-every above 1 or auto): the fraction of --num-iterations "
                           "trained with every step synchronous before the nodes start their inner phases "
-                          "(with auto at least 3 steps: auto times 2; 0 = local steps from the first step)"},
+                          "(with auto at least 3 steps: auto times 2, and at most the steps whose waits on the "
+                          "wire fit in 5%% of the run's wall time; 0 = local steps from the first step)"},
     )
     # evaluation, logging, checkpoints
     eval_every: int = field(default=100, metadata={"help": "steps between val bpb evaluations (0 = only at the end, "

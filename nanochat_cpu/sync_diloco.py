@@ -35,9 +35,11 @@ AUTO_FIRST_PHASE steps, times its outer sync against the slowest node's inner st
 the H at which the sync is at most 5 percent of the wall time (`choose_sync_every`). The sync it
 times is the last node's to arrive: the others' also holds their wait for that node, which is
 the inner phases' imbalance, and a longer H does not make that any smaller a share of the run.
-Before that, at the end of the synchronous warm-up, auto asks whether local steps are needed at
-all (`keep_synchronous`): on a link fast enough that synchronous steps wait at most 5 percent of
-their time, every step stays synchronous, which trains best per token.
+Before that, after timing AUTO_TIMED_STEPS of the synchronous warm-up's steps, auto asks whether
+local steps are needed at all (`keep_synchronous`): on a link fast enough that synchronous steps
+wait at most 5 percent of their time, every step stays synchronous, which trains best per token.
+Where local steps follow, the warm-up's own waits are held to 5 percent of the run too
+(`warm_up_end`): on a slow link it ends sooner than --sync-warmup-ratio asks.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ import torch.distributed as dist
 
 from .dist import DistEnv, Watchdog
 from .perf import sync
+from .progress import human_duration
 from .sync_strategy import all_gather, wait_timed
 
 AUTO_FIRST_PHASE = 2  # inner steps before auto's first, timed, outer sync: the second is a warm step
@@ -178,6 +181,29 @@ def keep_synchronous(wire_share: float | None) -> tuple[bool, str]:
     if wire_share <= AUTO_WIRE_SHARE:
         return True, f"{verdict}, at most {AUTO_WIRE_SHARE:.0%}: every step stays synchronous"
     return False, f"{verdict}, over {AUTO_WIRE_SHARE:.0%}: local steps follow"
+
+
+def warm_up_end(wire_s: float, local_step_s: float, num_iterations: int, planned: int, step: int) -> tuple[int, str]:
+    """auto, once it chose local steps at step `step` of a warm-up planned to end at `planned`:
+    the step the synchronous steps end at, and why.
+
+    Each synchronous step waits `wire_s` on the wire that a local step does not (the last rank to
+    arrive: the others' wait also holds their wait for it). The warm-up buys quality early in a
+    run (post-local SGD) with that wait, and auto holds it to what AUTO_WIRE_SHARE of the run's
+    wall time buys: the run, once local, takes about `num_iterations` steps of `local_step_s`
+    (the slowest rank's step but its waits; a node's optimizer on the whole model makes a local
+    step a little longer, so the cap errs short). On a fast link that is the planned warm-up
+    (--sync-warmup-ratio); on a slow one a synchronous step waits many local steps' time and the
+    warm-up ends sooner, at the earliest now."""
+    budget_s = AUTO_WIRE_SHARE * num_iterations * local_step_s
+    affordable = int(budget_s / wire_s) if wire_s > 0 else planned
+    end = max(step, min(planned, affordable))
+    run = f"~{human_duration(budget_s / AUTO_WIRE_SHARE)} ({num_iterations} steps of ~{local_step_s:.2f} s once local)"
+    cost = (f"each synchronous step waits {wire_s:.2f} s on the wire, and {AUTO_WIRE_SHARE:.0%} of the run's {run} "
+            f"buys {affordable}")
+    if end == planned:
+        return end, f"the synchronous warm-up keeps its {planned} steps ({cost})"
+    return end, f"the synchronous warm-up ends at step {end} instead of {planned} ({cost})"
 
 
 # ---- the outer step ------------------------------------------------------------------------------

@@ -75,6 +75,7 @@ from .sync_diloco import (
     find_nodes,
     keep_synchronous,
     node_token_share,
+    warm_up_end,
 )
 from .sync_strategy import WIRE_DTYPES
 from .tokenizer import Tokenizer
@@ -319,17 +320,28 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
     return diloco, schedule
 
 
-def choose_after_warm_up(env: DistEnv, warm: PhaseTimes, step: int, watchdog: Watchdog) -> dict:
-    """auto at the end of the synchronous warm-up: {"synchronous": whether every step stays
-    synchronous, "why": ...}. Every rank decides alike, from the smallest wire share any rank saw."""
-    share = warm.wait_s / warm.wall_s if warm.steps else -1.0  # -1: not timed on this rank
-    seen = torch.tensor([-share], dtype=torch.float64, device=env.device)
+def choose_after_timed_steps(cfg: TrainConfig, env: DistEnv, warm: PhaseTimes, step: int, warm_until: int,
+                             watchdog: Watchdog) -> dict:
+    """auto, after timing the synchronous warm-up's first steps: {"synchronous": whether every step
+    stays synchronous, "why": ...}, and where local steps follow, "warm_until": the step the
+    warm-up ends at. Every rank decides alike: from the smallest wire share and wire wait any rank
+    saw (the last rank to arrive: the wire's own) and the largest step but its waits (the slowest
+    rank's work)."""
+    timed = warm.steps > 0
+    compute_s, wait_s, wall_s = warm.per_step()
+    # -1: not timed on this rank; MAX of the negated share and wait is the smallest a timed rank saw
+    seen = torch.tensor([-(wait_s / wall_s) if timed else 1.0, -wait_s if timed else 1.0,
+                         wall_s - wait_s if timed else 0.0], dtype=torch.float64, device=env.device)
     with watchdog.phase("all_reduce the warm-up's wire share", step):
         dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-    smallest = -float(seen[0])
-    keep, why = keep_synchronous(smallest if smallest >= 0 else None)
+    share, wire_s, work_s = -float(seen[0]), -float(seen[1]), float(seen[2])
+    keep, why = keep_synchronous(share if share >= 0 else None)
     log(env, f"sync-every auto: {why}")
-    return {"synchronous": keep, "why": why}
+    choice = {"synchronous": keep, "why": why}
+    if not keep and share >= 0:
+        choice["warm_until"], cap_why = warm_up_end(wire_s, work_s, cfg.num_iterations, warm_until, step)
+        log(env, f"sync-every auto: {cap_why}")
+    return choice
 
 
 def auto_on_resume(cfg: TrainConfig, env: DistEnv, found: tuple[int | None, list[dict[int, dict]]],
@@ -346,7 +358,7 @@ def auto_on_resume(cfg: TrainConfig, env: DistEnv, found: tuple[int | None, list
         choice = marker["auto_choice"]
         log(env, f"sync-every auto: {'every step stays synchronous' if choice['synchronous'] else 'local steps'}, "
                  f"as chosen before checkpoint {step} ({choice['why']})")
-        return choice, warm_until
+        return choice, choice.get("warm_until", warm_until)
     if marker.get("local_steps") or warm_until == 0:  # local steps already, or asked for from the first step
         return None, warm_until
     start = step or 0
@@ -586,8 +598,9 @@ def run(cfg: TrainConfig) -> int:
     loss_scale = stepping_loss_scale(env, nodes if local_now else None, sizes, accum)
     diloco, schedule = setup_local_steps(cfg, env, model, opt, nodes if local_now else None, sizes, extra, start_step)
     if nodes is not None and not local_now:
+        planned = "as auto chose" if auto_choice else f"--sync-warmup-ratio {cfg.sync_warmup_ratio}"
         log(env, f"local steps after a synchronous warm-up: steps {start_step + 1}-{warm_until} synchronous "
-                 f"(--sync-warmup-ratio {cfg.sync_warmup_ratio}), then --sync-every {cfg.sync_every}")
+                 f"({planned}), then --sync-every {cfg.sync_every}")
 
     # ---- the loop --------------------------------------------------------------------------------
     step = start_step
@@ -674,11 +687,15 @@ def run(cfg: TrainConfig) -> int:
                 if env.master:
                     log(env, f"batch: {cfg.total_batch_size:,} tokens/step = {accum} micro-steps x rows {sizes} x "
                              f"{cfg.max_seq_len} tokens")
-        warmed_up = diloco is None and nodes is not None and step == warm_until and not last
-        if warmed_up and sync_every_steps(cfg) is None:  # before the timing line: it says what follows
-            auto_choice = choose_after_warm_up(env, warm, step, watchdog)
+        auto_pending = diloco is None and nodes is not None and auto_choice is None and sync_every_steps(cfg) is None
+        if auto_pending and (warm.steps >= AUTO_TIMED_STEPS or step == warm_until) and not last:
+            # before the timing line: it says what follows
+            auto_choice = choose_after_timed_steps(cfg, env, warm, step, warm_until, watchdog)
             if auto_choice["synchronous"]:
-                nodes, warm_until, warmed_up = None, 0, False
+                nodes, warm_until = None, 0
+            else:
+                warm_until = auto_choice.get("warm_until", warm_until)
+        warmed_up = diloco is None and nodes is not None and step == warm_until and not last
         if warmed_up and cfg.rank_batch_sizes == "auto":
             # the inner steps check the split again (and so does a resume from the warm-up's
             # checkpoint): each node now runs its optimizer on the whole model and none waits on the

@@ -1,13 +1,15 @@
 """The trainer with every step's compute made longer, for auto's warm-up (tests/test_local_steps.py).
 
-    SLOW_S=1 SLOW_RANK=1 [SLOW_FROM=4 EARLY_RANK=0 EARLY_S=0.5] python tests/slow_compute_train.py [flags]
+    SLOW_S=1 SLOW_RANK=1 [SLOW_FROM=4 EARLY_RANK=0 EARLY_S=0.5] [WIRE_S=0.1] python tests/slow_compute_train.py [flags]
 
 Rank SLOW_RANK's steps (from step SLOW_FROM on, default the first) sleep SLOW_S seconds before their
 forward and backward; before SLOW_FROM rank EARLY_RANK's sleep EARLY_S (none by default), so two
 ranks can swap speeds mid-run. A tiny model on loopback computes in milliseconds, so the wire's
 share of its synchronous step is whatever the machine's load makes it; a longer compute makes the
 slow rank's share small for certain, as a big model's step on a fast link does, while the other
-ranks wait for it. Everything else is the real trainer.
+ranks wait for it. With WIRE_S every synchronous step (the optimizer over all ranks; a node's
+own inner steps are not slowed) waits WIRE_S seconds more in its collectives, as on a slow link.
+Everything else is the real trainer.
 """
 
 import inspect
@@ -34,4 +36,18 @@ def slow_accumulate(*args, **kwargs):
 
 
 train.accumulate_gradients = slow_accumulate
+
+_real_step = train.MuonAdamW.step
+_wire_s = float(os.environ.get("WIRE_S", "0"))
+
+
+def slow_wire_step(self) -> None:
+    _real_step(self)
+    if self.group is None and self.world_size > 1:  # every rank steps together: the wire between nodes
+        time.sleep(_wire_s)
+        self.sync.comm_wait += _wire_s
+
+
+if _wire_s:
+    train.MuonAdamW.step = slow_wire_step
 train.main()

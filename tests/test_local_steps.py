@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from nanochat_cpu.sync_diloco import AUTO_MAX_H, OuterSchedule, choose_sync_every, keep_synchronous
+from nanochat_cpu.sync_diloco import AUTO_MAX_H, OuterSchedule, choose_sync_every, keep_synchronous, warm_up_end
 from tests.local_steps_worker import OUTER_LR, OUTER_MOMENTUM
 from tests.test_train_runs import losses, read_until, tiny_flags, train_target
 from tests.torchrun_helpers import REPO, free_port, kill_tree, node_env, spawn_node
@@ -248,6 +248,51 @@ def test_auto_times_a_synchronous_checkpoint_it_never_decided_on_before_choosing
         assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs synchronous {full[step]}"
 
 
+def test_auto_ends_the_warm_up_early_on_a_slow_wire_and_a_resume_keeps_that_end(tiny_data_dir, tiny_tokenizer_dir,
+                                                                                  tmp_path):
+    """Every synchronous step waits 0.1 s more on the wire (slow_compute_train's WIRE_S) and node 1
+    computes 0.5 s a step: --sync-warmup-ratio 0.75 of 40 steps plans 30 synchronous steps, whose
+    waits would be about 3 s of a run of about 20 s. auto, having timed steps 2-3, chooses local
+    steps and ends the warm-up where its waits fit in 5% of the run (about step 10), says so, and
+    the checkpoints' markers carry that end: a run resumed inside the shortened warm-up ends it at
+    the same step and repeats the uninterrupted run's losses."""
+    def nodes_out() -> str:
+        port, env = free_port(), {**node_env(), "SLOW_S": "0.5", "SLOW_RANK": "1", "WIRE_S": "0.1"}
+        flags = [[SLOW_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every="auto",
+                                          num_iterations=40, sync_warmup_ratio=0.75, checkpoint_every=4,
+                                          keep_checkpoints=20)] for node in range(2)]
+        return assert_ok(collect([spawn_node(2, n, port, flags[n], env=env) for n in range(2)], 240))
+
+    first = nodes_out()
+    assert re.search(r"sync-every auto: synchronous steps waited [0-9.]+% .* over 5%: local steps follow", first)
+    cut = re.search(r"sync-every auto: the synchronous warm-up ends at step (\d+) instead of 30 \(each synchronous "
+                    r"step waits 0\.1\d s on the wire, and 5% of the run's ~\d+s \(40 steps of ~0\.\d\d s once "
+                    r"local\) buys \d+\)", first)
+    assert cut, first
+    end = int(cut.group(1))
+    assert 5 <= end < 30, first  # 5% of 40 steps of ~0.5 s is ~1 s: ~10 waits of 0.1 s
+    assert f"synchronous warm-up done at step {end} " in first, first
+    full = losses(first)
+    assert sorted(full) == list(range(1, 41))
+    inside = max(step for step in range(4, end, 4))  # a checkpoint inside the shortened warm-up
+    for node in range(2):
+        ckpts = tmp_path / f"n{node}" / "checkpoints"
+        marker = json.loads((ckpts / f"step_{inside:06d}" / "COMPLETE").read_text())
+        assert marker["auto_choice"]["warm_until"] == end and not marker["auto_choice"]["synchronous"]
+        for later in [p for p in ckpts.iterdir() if int(p.name.removeprefix("step_")) > inside]:
+            for f in later.iterdir():
+                f.unlink()
+            later.rmdir()
+    second = nodes_out()
+    assert f"sync-every auto: local steps, as chosen before checkpoint {inside} (" in second, second
+    assert f"local steps after a synchronous warm-up: steps {inside + 1}-{end} synchronous (as auto chose)" in second
+    assert f"synchronous warm-up done at step {end} " in second, second
+    resumed = losses(second)
+    assert sorted(resumed) == list(range(inside + 1, 41))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
+
+
 def test_local_steps_start_after_a_synchronous_warm_up_and_resume_from_its_checkpoint(tiny_data_dir,
                                                                                       tiny_tokenizer_dir, tmp_path):
     """--sync-warmup-ratio 0.25 of 12 steps: steps 1-3 synchronous, a checkpoint at 3, then each node
@@ -396,6 +441,17 @@ def test_auto_stays_synchronous_only_where_its_steps_wait_at_most_five_percent()
     assert not keep and "over 5%: local steps follow" in why
     keep, why = keep_synchronous(None)
     assert not keep and "no synchronous step was timed" in why
+
+
+def test_auto_holds_the_warm_up_waits_to_five_percent_of_the_run():
+    end, why = warm_up_end(wire_s=0.5, local_step_s=1.0, num_iterations=1000, planned=50, step=3)
+    assert end == 50 and "keeps its 50 steps" in why and "buys 100" in why  # a fast link: the planned warm-up
+    # 10 Mbit/s at depth 8 (docs/BENCHMARKS.md): each synchronous step waits ~110 s, a local one takes ~30 s
+    end, why = warm_up_end(wire_s=110.0, local_step_s=30.0, num_iterations=1000, planned=50, step=3)
+    assert end == 13 and 13 * 110.0 <= 0.05 * 1000 * 30.0 < 14 * 110.0
+    assert why == ("the synchronous warm-up ends at step 13 instead of 50 (each synchronous step waits 110.00 s on "
+                   "the wire, and 5% of the run's ~8.3h (1000 steps of ~30.00 s once local) buys 13)")
+    assert warm_up_end(wire_s=100.0, local_step_s=1.0, num_iterations=100, planned=5, step=3)[0] == 3  # not before now
 
 
 def test_auto_keeps_the_sync_under_five_percent_and_says_when_capped():
