@@ -21,13 +21,16 @@ node just added) gets it from one that has it over the process group, and a worl
 size or shape merges the saved ranks' states and takes its own part (the optimizer re-sharded,
 the loader's epoch dealt out anew). A checkpoint that does not fit the run is refused by every
 rank, and `--resume never` refuses a directory that holds checkpoints: a run never starts
-afresh silently over an old one.
+afresh silently over an old one. The states and files cross between ranks in rounds of
+CHUNK_BYTES, each its own collective, so a big checkpoint on a slow link is never taken for a
+hung peer.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import re
@@ -277,27 +280,76 @@ def on_cpu(obj):
     return obj
 
 
-def gather_states(env: DistEnv, disks: Disks, rank_state: dict, watchdog: Watchdog, step: int) -> list:
-    """Every rank's state, on every disk's writer. With one rank per disk (a node per host, the usual
-    case) that is one all-gather: Gloo's ring moves every node's share over every link at once,
-    where a gather per writer loads one writer's link at a time (10 Mbit/s, 3 nodes, local steps'
-    whole-model optimizer states: 1,289 s). Ranks that share a disk send to its writer only, one
-    gather per writer: the others would hold every rank's state for nothing."""
+# one collective's share of a checkpoint exchange: at 10 Mbit/s with 3 nodes a round of 16 MiB
+# takes about 27 s, far inside --collective-timeout, whatever the whole checkpoint's size
+CHUNK_BYTES = 16 * 2**20
+
+
+def exchange_chunk(out: list[torch.Tensor] | None, piece: torch.Tensor, dst: int | None,
+                   group: dist.ProcessGroup) -> None:
+    """One round of a chunked exchange: every rank's `piece` to every rank (dst None) or to dst."""
+    if dst is None:
+        dist.all_gather(out, piece, group=group)
+    else:
+        dist.gather(piece, out, dst=dst, group=group)
+
+
+def exchange_bytes(env: DistEnv, disks: Disks, data: bytes, dst: int | None, watchdog: Watchdog, step: int,
+                   what: str) -> tuple[list[bytearray] | None, int]:
+    """Every rank's `data`, on every rank (dst None: an all-gather) or on rank dst (a gather), and
+    the number of rounds it took. The bytes go in rounds of CHUNK_BYTES, each a collective that
+    the watchdog times on its own: one collective for the whole would outlast --collective-timeout
+    on a slow link once the model is big enough (10 Mbit/s, depth 8: 461 s of the 600), and the
+    watchdog would stop every rank at every checkpoint, the run never getting past one."""
+    world = env.world_size
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    with watchdog.phase(f"all_gather {what} sizes", step):
+        dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=disks.group)
+    sizes = [int(n) for n in lengths]
+    receiving = dst is None or env.rank == dst
+    parts = [bytearray() for _ in range(world)]
+    rounds = max(1, -(-max(sizes) // CHUNK_BYTES))
+    for i in range(rounds):
+        lo = i * CHUNK_BYTES
+        n = min(CHUNK_BYTES, max(sizes) - lo)
+        piece = torch.zeros(n, dtype=torch.uint8)
+        mine = data[lo:lo + n]
+        if mine:
+            piece[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        out = [torch.empty(n, dtype=torch.uint8) for _ in range(world)] if receiving else None
+        with watchdog.phase(f"{'all_gather' if dst is None else 'gather'} {what}, round {i + 1} of {rounds}", step):
+            exchange_chunk(out, piece, dst, disks.group)
+        if out is not None:
+            for r in range(world):
+                parts[r] += out[r][:max(0, min(n, sizes[r] - lo))].numpy().tobytes()
+    return (parts if receiving else None), rounds
+
+
+def gather_states(env: DistEnv, disks: Disks, rank_state: dict, watchdog: Watchdog, step: int) -> tuple[list, str]:
+    """Every rank's state, on every disk's writer, and what crossed (for the log line). With one
+    rank per disk (a node per host, the usual case) that is one all-gather: Gloo's ring moves every
+    node's share over every link at once, where a gather per writer loads one writer's link at a
+    time (10 Mbit/s, 3 nodes, local steps' whole-model optimizer states: 1,289 s). Ranks that
+    share a disk send to its writer only, one gather per writer: the others would hold every
+    rank's state for nothing. The states travel as torch.save's bytes and are read back as the
+    files are (weights only)."""
     if not env.distributed:
-        return [rank_state]
-    if len(disks.writers) == env.world_size:
-        got: list = [None] * env.world_size
-        with watchdog.phase("all_gather checkpoint states", step):
-            dist.all_gather_object(got, rank_state, group=disks.group)
-        return got
-    rank_states = [rank_state]
-    for w in disks.writers:
-        gathered = [None] * env.world_size if env.rank == w else None
-        with watchdog.phase("gather checkpoint states", step):
-            dist.gather_object(rank_state, gathered, dst=w, group=disks.group)
-        if env.rank == w:
-            rank_states = gathered
-    return rank_states
+        return [rank_state], ""
+    buf = io.BytesIO()
+    torch.save(rank_state, buf)
+    data = buf.getvalue()
+    every_disk = len(disks.writers) == env.world_size
+    got, rounds = None, 0
+    for w in [None] if every_disk else disks.writers:
+        received, rounds = exchange_bytes(env, disks, data, w, watchdog, step, "checkpoint states")
+        got = received if received is not None else got
+    del data, buf
+    if got is None:  # a rank that writes no disk
+        return [rank_state], ""
+    size, ranks, states = sum(len(b) for b in got), len(got), []
+    while got:  # each rank's bytes go once its state is read: the two are never all held at once
+        states.append(torch.load(io.BytesIO(got.pop(0)), map_location="cpu", weights_only=True))
+    return states, f"; {size / 2**20:.1f} MiB of {ranks} ranks' states in {rounds} round(s)"
 
 
 def save_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW,
@@ -306,7 +358,7 @@ def save_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, op
     rank_state = on_cpu({"step": step, "optimizer": opt.state_dict(), "loader": loader.state_dict(),
                          "rng": torch.get_rng_state(), "extra": extra})
     # every disk gets every rank's state: a node that is wiped, added or alone can still resume
-    rank_states = gather_states(env, disks, rank_state, watchdog, step)
+    rank_states, crossed = gather_states(env, disks, rank_state, watchdog, step)
     error = None
     if disks.writer(env.rank):
         try:
@@ -329,7 +381,7 @@ def save_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, op
         mark_complete(cfg.out_dir, step, {**disks.layout(env.hosts or [env.host]), **sampling, **stepping},
                       cfg.keep_checkpoints)
     log(env, f"checkpoint step {step} saved to {step_dir(cfg.out_dir, step)} "
-             f"in {time.perf_counter() - t0:.2f}s")
+             f"in {time.perf_counter() - t0:.2f}s{crossed}")
 
 
 START_AFRESH = "start afresh with another --run-name or --out-dir"
@@ -401,15 +453,11 @@ def restore_missing(cfg: TrainConfig, env: DistEnv, disks: Disks, step: int, eve
         if env.rank not in (source, n):
             continue
         for name in marker["files"]:  # one file in memory at a time
-            data = [Path(d, name).read_bytes() if env.rank == source else None]
-            with watchdog.phase("send checkpoint files", 0):
-                if env.rank == source:
-                    dist.send_object_list(data, dst=n, group=disks.group)
-                else:
-                    dist.recv_object_list(data, src=source, group=disks.group)
-            if env.rank == n and problem is None:
-                size += len(data[0])
-                problem = write_restored_file(cfg.out_dir, step, name, data[0], env)
+            data = Path(d, name).read_bytes() if env.rank == source else b""
+            got = send_bytes(env, disks, data, source, n, watchdog, f"checkpoint file {name}")
+            if got is not None and problem is None:
+                size += len(got)
+                problem = write_restored_file(cfg.out_dir, step, name, got, env)
     if env.rank in needy and problem is None:
         problem = write_restored_file(cfg.out_dir, step, "COMPLETE", json.dumps(marker).encode(), env)
         fsync_dir(checkpoint_root(cfg.out_dir))
@@ -419,7 +467,32 @@ def restore_missing(cfg: TrainConfig, env: DistEnv, disks: Disks, step: int, eve
     fail_together(env, disks, watchdog, "checkpoint restore", 0, problem)
 
 
-def write_restored_file(out_dir: str, step: int, name: str, data: bytes, env: DistEnv) -> str | None:
+def send_bytes(env: DistEnv, disks: Disks, data: bytes, src: int, dst: int, watchdog: Watchdog,
+               what: str) -> bytearray | None:
+    """Rank src's `data`, on rank dst (None elsewhere), in rounds of CHUNK_BYTES that the watchdog
+    times one by one (exchange_bytes says why)."""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    with watchdog.phase(f"send {what}: its size", 0):
+        if env.rank == src:
+            dist.send(size, dst=dst, group=disks.group)
+        else:
+            dist.recv(size, src=src, group=disks.group)
+    total = int(size[0])
+    rounds, got = -(-total // CHUNK_BYTES), bytearray()
+    for i in range(rounds):
+        lo = i * CHUNK_BYTES
+        n = min(CHUNK_BYTES, total - lo)
+        with watchdog.phase(f"send {what}, round {i + 1} of {rounds}", 0):
+            if env.rank == src:
+                dist.send(torch.frombuffer(bytearray(data[lo:lo + n]), dtype=torch.uint8), dst=dst, group=disks.group)
+            else:
+                piece = torch.empty(n, dtype=torch.uint8)
+                dist.recv(piece, src=src, group=disks.group)
+                got += piece.numpy().tobytes()
+    return got if env.rank == dst else None
+
+
+def write_restored_file(out_dir: str, step: int, name: str, data: bytes | bytearray, env: DistEnv) -> str | None:
     """One file of a restored checkpoint, atomically (COMPLETE, the last, seals it); the problem, if any."""
     d = step_dir(out_dir, step)
     try:

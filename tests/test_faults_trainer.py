@@ -41,6 +41,7 @@ from tests.torchrun_helpers import (
 )
 
 FAULT_TRAIN = str(REPO / "tests" / "fault_train.py")
+SLOW_CHECKPOINT_TRAIN = str(REPO / "tests" / "slow_checkpoint_train.py")
 # Two cold torch imports per node on a loaded 2-core machine, plus the failure itself.
 FAIL_FAST_S = 30
 
@@ -208,6 +209,32 @@ def test_disk_full_on_one_node_stops_every_rank_naming_it(tiny_data_dir, tiny_to
         assert "No space left on device" in out and "newest complete: 4" in out, out
         assert checkpoint.complete_steps(str(tmp_path / f"node{rank}")) == [4]
     assert time.monotonic() - t0 < 120
+
+def test_a_checkpoint_that_takes_longer_than_the_collective_timeout_to_cross_still_lands(tiny_data_dir,
+                                                                                          tiny_tokenizer_dir,
+                                                                                          tmp_path):
+    """On a slow link a big model's checkpoint takes minutes to reach every disk (10 Mbit/s, depth 8:
+    461 s of the default 600-s --collective-timeout). Here two nodes' states cross in rounds of
+    8 KiB, each 0.6 s slower than loopback: about 45 s in all, past the watchdog's bound of
+    --collective-timeout 5 + its 30-s grace. Each round is a collective of its own, timed on its
+    own, so the checkpoint lands on both disks and the run ends well, where one collective for the
+    whole exchange would have been given up on as a dead peer at every checkpoint."""
+    port = free_port()
+    env = {**node_env(), "CHUNK_BYTES": "8192", "ROUND_S": "0.6"}
+    def flags(rank: int) -> list[str]:
+        return [SLOW_CHECKPOINT_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"node{rank}",
+                                                   num_iterations=2, checkpoint_every=0, collective_timeout=5)]
+
+    nodes = [spawn_node(2, rank, port, flags(rank), env=env) for rank in range(2)]
+    results = [finish(p, timeout=240) for p in nodes]
+    for rank, (code, out, _) in enumerate(results):
+        assert code == 0, out
+        saved = re.search(r"checkpoint step 2 saved to \S+ in ([0-9.]+)s; [0-9.]+ MiB of 2 ranks' states in (\d+) "
+                          r"round\(s\)", out)
+        assert saved and float(saved.group(1)) > 5 + 30 and int(saved.group(2)) >= 60, out
+        assert checkpoint.complete_steps(str(tmp_path / f"node{rank}")) == [2]
+        assert "stuck" not in out and "FATAL" not in out, out
+
 
 def config_exit() -> int:
     from nanochat_cpu.dist import EXIT_CONFIG
