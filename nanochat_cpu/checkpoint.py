@@ -285,6 +285,15 @@ def on_cpu(obj):
 CHUNK_BYTES = 16 * 2**20
 
 
+def piece_of(data: bytes, lo: int, n: int) -> torch.Tensor:
+    """Bytes lo..lo+n of `data` as a uint8 tensor of n, zero-padded past its end (one copy)."""
+    piece = torch.zeros(n, dtype=torch.uint8)
+    mine = bytearray(memoryview(data)[lo:lo + n])
+    if mine:
+        piece[:len(mine)] = torch.frombuffer(mine, dtype=torch.uint8)
+    return piece
+
+
 def exchange_chunk(out: list[torch.Tensor] | None, piece: torch.Tensor, dst: int | None,
                    group: dist.ProcessGroup) -> None:
     """One round of a chunked exchange: every rank's `piece` to every rank (dst None) or to dst."""
@@ -299,30 +308,27 @@ def exchange_bytes(env: DistEnv, disks: Disks, data: bytes, dst: int | None, wat
     """Every rank's `data`, on every rank (dst None: an all-gather) or on rank dst (a gather), and
     the number of rounds it took. The bytes go in rounds of CHUNK_BYTES, each a collective that
     the watchdog times on its own: one collective for the whole would outlast --collective-timeout
-    on a slow link once the model is big enough (10 Mbit/s, depth 8: 461 s of the 600), and the
+    on a slow link once the model is big enough (10 Mbit/s, depth 8: 461 s already, against the
+    watchdog's 630 at the default --collective-timeout), and the
     watchdog would stop every rank at every checkpoint, the run never getting past one."""
     world = env.world_size
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     with watchdog.phase(f"all_gather {what} sizes", step):
         dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=disks.group)
     sizes = [int(n) for n in lengths]
-    receiving = dst is None or env.rank == dst
-    parts = [bytearray() for _ in range(world)]
-    rounds = max(1, -(-max(sizes) // CHUNK_BYTES))
+    longest, receiving = max(sizes), dst is None or env.rank == dst
+    parts = [bytearray() for _ in range(world)] if receiving else None
+    rounds = max(1, -(-longest // CHUNK_BYTES))
     for i in range(rounds):
         lo = i * CHUNK_BYTES
-        n = min(CHUNK_BYTES, max(sizes) - lo)
-        piece = torch.zeros(n, dtype=torch.uint8)
-        mine = data[lo:lo + n]
-        if mine:
-            piece[:len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8)
+        n = min(CHUNK_BYTES, longest - lo)
         out = [torch.empty(n, dtype=torch.uint8) for _ in range(world)] if receiving else None
         with watchdog.phase(f"{'all_gather' if dst is None else 'gather'} {what}, round {i + 1} of {rounds}", step):
-            exchange_chunk(out, piece, dst, disks.group)
-        if out is not None:
+            exchange_chunk(out, piece_of(data, lo, n), dst, disks.group)
+        if parts is not None:
             for r in range(world):
                 parts[r] += out[r][:max(0, min(n, sizes[r] - lo))].numpy().tobytes()
-    return (parts if receiving else None), rounds
+    return parts, rounds
 
 
 def gather_states(env: DistEnv, disks: Disks, rank_state: dict, watchdog: Watchdog, step: int) -> tuple[list, str]:
@@ -338,12 +344,13 @@ def gather_states(env: DistEnv, disks: Disks, rank_state: dict, watchdog: Watchd
     buf = io.BytesIO()
     torch.save(rank_state, buf)
     data = buf.getvalue()
+    del buf  # its copy of the bytes: the state is not held twice through the exchange
     every_disk = len(disks.writers) == env.world_size
     got, rounds = None, 0
     for w in [None] if every_disk else disks.writers:
         received, rounds = exchange_bytes(env, disks, data, w, watchdog, step, "checkpoint states")
         got = received if received is not None else got
-    del data, buf
+    del data
     if got is None:  # a rank that writes no disk
         return [rank_state], ""
     size, ranks, states = sum(len(b) for b in got), len(got), []
@@ -484,7 +491,7 @@ def send_bytes(env: DistEnv, disks: Disks, data: bytes, src: int, dst: int, watc
         n = min(CHUNK_BYTES, total - lo)
         with watchdog.phase(f"send {what}, round {i + 1} of {rounds}", 0):
             if env.rank == src:
-                dist.send(torch.frombuffer(bytearray(data[lo:lo + n]), dtype=torch.uint8), dst=dst, group=disks.group)
+                dist.send(piece_of(data, lo, n), dst=dst, group=disks.group)
             else:
                 piece = torch.empty(n, dtype=torch.uint8)
                 dist.recv(piece, src=src, group=disks.group)

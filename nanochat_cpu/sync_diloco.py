@@ -165,7 +165,7 @@ def choose_sync_every(sync_s: float, step_s: float) -> tuple[int, str]:
 
 
 def keep_synchronous(wire_share: float | None) -> tuple[bool, str]:
-    """auto, at the end of the synchronous warm-up: whether every step stays synchronous, and why.
+    """auto, once it timed the synchronous warm-up: whether every step stays synchronous, and why.
 
     `wire_share` is the share of the warm-up's timed steps that the last rank to arrive spent
     waiting in the optimizer's collectives, which is the wire's own time (the others' wait also

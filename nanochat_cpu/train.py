@@ -328,8 +328,9 @@ def choose_after_timed_steps(cfg: TrainConfig, env: DistEnv, warm: PhaseTimes, s
     saw (the last rank to arrive: the wire's own) and the largest step but its waits (the slowest
     rank's work)."""
     timed = warm.steps > 0
-    compute_s, wait_s, wall_s = warm.per_step()
-    # -1: not timed on this rank; MAX of the negated share and wait is the smallest a timed rank saw
+    _, wait_s, wall_s = warm.per_step()
+    # MAX of the negated share and wait is the smallest any rank saw; an untimed rank's +1 makes the
+    # whole choice untimed (warm.steps is alike on every rank: all are timed, or none)
     seen = torch.tensor([-(wait_s / wall_s) if timed else 1.0, -wait_s if timed else 1.0,
                          wall_s - wait_s if timed else 0.0], dtype=torch.float64, device=env.device)
     with watchdog.phase("all_reduce the warm-up's wire share", step):
@@ -559,7 +560,7 @@ def run(cfg: TrainConfig) -> int:
     nodes = find_local_step_nodes(cfg, env, watchdog)
     warm_until = sync_warmup_steps(cfg) if nodes else 0  # the synchronous steps before local ones
     found = checkpoint.find_resume_step(cfg, env, disks, watchdog)
-    auto_choice = None  # auto's choice after the warm-up: {"synchronous": ..., "why": ...}
+    auto_choice = None  # auto's choice once it timed the warm-up: {"synchronous": ..., "why": ...[, "warm_until"]}
     if nodes and sync_every_steps(cfg) is None:
         auto_choice, warm_until = auto_on_resume(cfg, env, found, warm_until)
         if auto_choice and auto_choice["synchronous"]:
