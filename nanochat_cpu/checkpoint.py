@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import io
 import json
 import os
@@ -234,7 +235,8 @@ def find_disks(cfg: TrainConfig, env: DistEnv, watchdog: Watchdog) -> Disks:
     node = int(os.environ.get("GROUP_RANK", "0"))
     if not env.distributed:
         return Disks([0], [node], None)
-    group = dist.new_group(backend="gloo")
+    # each round of a transfer is bounded like any collective (Gloo's own default is 30 min)
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.collective_timeout))
     root = checkpoint_root(cfg.out_dir)
     os.makedirs(root, exist_ok=True)
     token = secrets.token_hex(8)

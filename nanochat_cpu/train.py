@@ -323,10 +323,10 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
 def choose_after_timed_steps(cfg: TrainConfig, env: DistEnv, warm: PhaseTimes, step: int, warm_until: int,
                              watchdog: Watchdog) -> dict:
     """auto, after timing the synchronous warm-up's first steps: {"synchronous": whether every step
-    stays synchronous, "why": ...}, and where local steps follow, "warm_until": the step the
-    warm-up ends at. Every rank decides alike: from the smallest wire share and wire wait any rank
-    saw (the last rank to arrive: the wire's own) and the largest step but its waits (the slowest
-    rank's work)."""
+    stays synchronous, "why": ...}, and where local steps follow, "warm_until": the step the warm-up
+    ends at and "asked_until": the end --sync-warmup-ratio asked for. Every rank decides alike: from
+    the smallest wire share and wire wait any rank saw (the last rank to arrive: the wire's own) and
+    the largest step but its waits (the slowest rank's work)."""
     timed = warm.steps > 0
     _, wait_s, wall_s = warm.per_step()
     # MAX of the negated share and wait is the smallest any rank saw; an untimed rank's +1 makes the
@@ -341,6 +341,7 @@ def choose_after_timed_steps(cfg: TrainConfig, env: DistEnv, warm: PhaseTimes, s
     choice = {"synchronous": keep, "why": why}
     if not keep and share >= 0:
         choice["warm_until"], cap_why = warm_up_end(wire_s, work_s, cfg.num_iterations, warm_until, step)
+        choice["asked_until"] = sync_warmup_steps(cfg)  # a restart that asks for fewer gets fewer
         log(env, f"sync-every auto: {cap_why}")
     return choice
 
@@ -349,17 +350,21 @@ def auto_on_resume(cfg: TrainConfig, env: DistEnv, found: tuple[int | None, list
                    warm_until: int) -> tuple[dict | None, int]:
     """--sync-every auto: the choice the run made before the checkpoint being resumed (its COMPLETE
     marker holds it: the optimizer is built before the checkpoint's files are read), and the step
-    the synchronous steps go to. auto decides from AUTO_TIMED_STEPS timed synchronous steps (a
-    process's first step is not timed), so the warm-up is stretched to hold them; a synchronous
-    checkpoint past the warm-up that auto never decided on (a run trained with --sync-every 1, or
-    by an older version) is timed anew from where it resumes."""
+    the synchronous steps go to: the end auto chose, or the restart's --sync-warmup-ratio where that
+    asks for fewer steps than the run was started with. auto decides from AUTO_TIMED_STEPS timed
+    synchronous steps (a process's first step is not timed), so the warm-up is stretched to hold
+    them; a synchronous checkpoint past the warm-up that auto never decided on (a run trained with
+    --sync-every 1, or by an older version) is timed anew from where it resumes."""
     step, everyone = found
     marker = next(steps[step] for steps in everyone if step in steps) if step is not None else {}
     if "auto_choice" in marker:
         choice = marker["auto_choice"]
         log(env, f"sync-every auto: {'every step stays synchronous' if choice['synchronous'] else 'local steps'}, "
                  f"as chosen before checkpoint {step} ({choice['why']})")
-        return choice, choice.get("warm_until", warm_until)
+        end = choice.get("warm_until", warm_until)
+        if warm_until < choice.get("asked_until", warm_until):  # the restart asks for a shorter warm-up
+            end = min(end, warm_until)
+        return choice, end
     if marker.get("local_steps") or warm_until == 0:  # local steps already, or asked for from the first step
         return None, warm_until
     start = step or 0

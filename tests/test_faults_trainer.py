@@ -31,6 +31,7 @@ from nanochat_cpu import checkpoint, config, data, tokenizer, train
 from tests.test_train_runs import finish, losses, read_until, tiny_flags, train_target
 from tests.torchrun_helpers import (
     REPO,
+    SLOW_CHECKPOINT_TRAIN,
     descendants,
     free_port,
     kill_tree,
@@ -41,7 +42,6 @@ from tests.torchrun_helpers import (
 )
 
 FAULT_TRAIN = str(REPO / "tests" / "fault_train.py")
-SLOW_CHECKPOINT_TRAIN = str(REPO / "tests" / "slow_checkpoint_train.py")
 # Two cold torch imports per node on a loaded 2-core machine, plus the failure itself.
 FAIL_FAST_S = 30
 

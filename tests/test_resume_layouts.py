@@ -21,15 +21,18 @@ from nanochat_cpu import checkpoint
 from nanochat_cpu.dist import EXIT_CONFIG, EXIT_STOPPED
 from tests.conftest import TINY_VOCAB
 from tests.test_train_runs import finish, losses, read_until, tiny_flags, train_target
-from tests.torchrun_helpers import free_port, kill_tree, spawn_node
+from tests.torchrun_helpers import SLOW_CHECKPOINT_TRAIN, SMALL_ROUNDS, free_port, kill_tree, node_env, spawn_node
 
 UNIFORM = math.log(TINY_VOCAB)  # the loss of a model that has learnt nothing
 
 
-def run_nodes(flags_of_node: list[list[str]], timeout: float = 180) -> list[tuple[int, str]]:
-    """One launcher per node, all of them to the end: (exit code, output) of each."""
-    port = free_port()
-    procs = [spawn_node(len(flags_of_node), r, port, train_target(*flags)) for r, flags in enumerate(flags_of_node)]
+def run_nodes(flags_of_node: list[list[str]], timeout: float = 180, small_rounds: bool = False,
+              ) -> list[tuple[int, str]]:
+    """One launcher per node, all of them to the end: (exit code, output) of each; small_rounds:
+    checkpoint files and states cross in rounds of a few KiB, many rounds each."""
+    port, env = free_port(), {**node_env(), **SMALL_ROUNDS} if small_rounds else None
+    procs = [spawn_node(len(flags_of_node), r, port, [SLOW_CHECKPOINT_TRAIN, *flags] if small_rounds
+                        else train_target(*flags), env=env) for r, flags in enumerate(flags_of_node)]
     try:
         return [finish(p, timeout=timeout)[:2] for p in procs]
     finally:
@@ -63,13 +66,15 @@ def test_a_node_added_then_one_removed_goes_on_from_the_checkpoint(tiny_data_dir
     run = tmp_path / "run"
     whole = trained_to_step_8(tiny_data_dir, tiny_tokenizer_dir, run)
     # a third node joins with an empty disk: it gets the checkpoint, and the run goes on at step 9
-    results = run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 3))
+    # (its files cross in rounds of 8 KiB, and land byte for byte)
+    results = run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 3), small_rounds=True)
     out = ok(results)
     assert "resumed step 8, written by 2 ranks on hosts" in out and "re-sharded to 3 ranks" in out, out
     assert "checkpoint step 8 was missing on this disk: restored from rank 0@" in results[2][1], results[2][1]
     node0, node2 = (run / f"node{r}" / "checkpoints" / "step_000008" for r in (0, 2))
     for name in ("model.pt", "rank0.pt", "rank1.pt", "COMPLETE"):
         assert (node2 / name).read_bytes() == (node0 / name).read_bytes(), name
+    assert (node0 / "model.pt").stat().st_size > 10 * int(SMALL_ROUNDS["CHUNK_BYTES"])  # many rounds, not one
     grown = losses(out)
     assert sorted(grown) == list(range(9, 13))  # no step redone, none skipped, no restart at step 1
     # the curve goes on: close to the uninterrupted run's (other rows per rank), far from untrained

@@ -18,7 +18,17 @@ import pytest
 import torch
 
 from nanochat_cpu.dist import EXIT_MISMATCH
-from tests.torchrun_helpers import REPO, free_port, kill_tree, node_env, run_torchrun, spawn_node, torchrun_cmd
+from tests.torchrun_helpers import (
+    REPO,
+    SLOW_CHECKPOINT_TRAIN,
+    SMALL_ROUNDS,
+    free_port,
+    kill_tree,
+    node_env,
+    run_torchrun,
+    spawn_node,
+    torchrun_cmd,
+)
 
 STEP_LINE = re.compile(r"step (\d+)/\d+ \([0-9.]+%\) loss=([0-9.]+)")
 
@@ -94,10 +104,14 @@ def test_bad_batch_arithmetic_fails_every_rank_before_rendezvous(tiny_data_dir, 
 def test_two_ranks_train_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
     # rank 0 opens the MLflow store before step 0's checksum: on a loaded machine that is slower
     # than the tests' usual 20-s collective timeout allows
+    # (the checkpoints cross in rounds of 8 KiB: the two ranks share a disk, so rank 1's state goes
+    # to the disk's writer alone, in many rounds, and the resume below reads it back)
     flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / "run", tracking_uri="", collective_timeout=120,
                        compile="auto")
-    first = run_torchrun(2, train_target(*flags))
+    first = run_torchrun(2, [SLOW_CHECKPOINT_TRAIN, *flags], env_extra=SMALL_ROUNDS)
     assert first.returncode == 0, first.stdout + first.stderr
+    assert re.search(r"checkpoint step 8 saved to \S+ in [0-9.]+s; [0-9.]+ MiB of 2 ranks' states in \d\d+ round",
+                     first.stdout), first.stdout
     full = losses(first.stdout)
     # --compile auto: the ranks time steps 2-4 together and find 8 steps too few to pay for a compile
     assert re.search(r"rank 0/2\] compile off \(auto: eager [\d.]+ s/step; the 8 steps left take [\d.]+ min, "
@@ -129,7 +143,7 @@ def test_two_ranks_train_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_
 
     # crash after step 8's checkpoint: drop the newer one, as if the run died before it
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000012")
-    second = run_torchrun(2, train_target(*flags))
+    second = run_torchrun(2, [SLOW_CHECKPOINT_TRAIN, *flags], env_extra=SMALL_ROUNDS)
     assert second.returncode == 0, second.stdout + second.stderr
     assert "resumed from checkpoint step 8" in second.stdout
     assert "compile off (auto: eager" in second.stdout and "chosen earlier in this run, kept on resume" in second.stdout

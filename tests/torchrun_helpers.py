@@ -9,6 +9,10 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+# the trainer with checkpoint transfers in small rounds (tests/slow_checkpoint_train.py): a test's
+# few-hundred-KiB checkpoint then crosses in many rounds, as a big model's does
+SLOW_CHECKPOINT_TRAIN = str(REPO / "tests" / "slow_checkpoint_train.py")
+SMALL_ROUNDS = {"CHUNK_BYTES": "8192", "ROUND_S": "0"}
 
 
 def free_port() -> int:
