@@ -190,7 +190,7 @@ def prune(out_dir: str, keep: int, sealed: int) -> None:
     run's to judge (and an incomplete one may be being written right now)."""
     steps = list_steps(out_dir)
     older = [s for s in steps if s < sealed and os.path.exists(os.path.join(step_dir(out_dir, s), "COMPLETE"))]
-    keep_set = set(older[len(older) - (keep - 1):]) if keep > 1 else set()
+    keep_set = set(older[max(0, len(older) - (keep - 1)):])  # keep >= 2 (config.py)
     for s in steps:
         if s < sealed and s not in keep_set:
             shutil.rmtree(step_dir(out_dir, s), ignore_errors=True)

@@ -154,13 +154,14 @@ def test_sigterm_on_one_node_stops_both_with_a_checkpoint_and_loses_no_step(tiny
 
 
 def test_prune_keeps_what_it_sealed_and_never_touches_newer_checkpoints(tmp_path):
-    """An old run's high-numbered checkpoints must not make the new checkpoints be pruned."""
+    """An old run's high-numbered checkpoints must not make the new checkpoints be pruned, and a
+    run with fewer checkpoints than it keeps keeps them all."""
     out = str(tmp_path)
     layout = {"world_size": 1, "hosts": ["h"], "node_of_rank": [0]}
 
-    def seal(step: int) -> None:
-        checkpoint.write_step_files(out, step, {"w": step}, [{"step": step}])
-        checkpoint.mark_complete(out, step, layout, keep=2)
+    def seal(step: int, keep: int = 2, where: str = out) -> None:
+        checkpoint.write_step_files(where, step, {"w": step}, [{"step": step}])
+        checkpoint.mark_complete(where, step, layout, keep=keep)
 
     seal(40)
     (Path(checkpoint.step_dir(out, 50))).mkdir()  # an unsealed one, maybe being written
@@ -168,6 +169,11 @@ def test_prune_keeps_what_it_sealed_and_never_touches_newer_checkpoints(tmp_path
         seal(step)
     assert checkpoint.complete_steps(out) == [8, 12, 40]
     assert checkpoint.list_steps(out) == [8, 12, 40, 50]
+    # fewer checkpoints than --keep-checkpoints so far: every one of them stays
+    fresh = str(tmp_path / "fresh")
+    for step in (4, 8, 12, 16):
+        seal(step, keep=5, where=fresh)
+    assert checkpoint.complete_steps(fresh) == [4, 8, 12, 16]
 
 
 def test_local_steps_stop_mid_phase_then_go_on_with_a_node_more(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
