@@ -333,20 +333,16 @@ def exchange_bytes(env: DistEnv, disks: Disks, data: bytes, dst: int | None, wat
     return parts, rounds
 
 
-def gather_states(env: DistEnv, disks: Disks, rank_state: dict, watchdog: Watchdog, step: int) -> tuple[list, str]:
-    """Every rank's state, on every disk's writer, and what crossed (for the log line). With one
-    rank per disk (a node per host, the usual case) that is one all-gather: Gloo's ring moves every
-    node's share over every link at once, where a gather per writer loads one writer's link at a
-    time (10 Mbit/s, 3 nodes, local steps' whole-model optimizer states: 1,289 s). Ranks that
-    share a disk send to its writer only, one gather per writer: the others would hold every
-    rank's state for nothing. The states travel as torch.save's bytes and are read back as the
+def gather_states(env: DistEnv, disks: Disks, data: bytes, watchdog: Watchdog, step: int) -> tuple[list, str]:
+    """Every rank's state (`data`: its torch.save bytes), on every disk's writer, and what crossed
+    (for the log line). With one rank per disk (a node per host, the usual case) that is one
+    all-gather: Gloo's ring moves every node's share over every link at once, where a gather per
+    writer loads one writer's link at a time (10 Mbit/s, 3 nodes, local steps' whole-model
+    optimizer states: 1,289 s). Ranks that share a disk send to its writer only, one gather per
+    writer: the others would hold every rank's state for nothing. The states are read back as the
     files are (weights only)."""
     if not env.distributed:
-        return [rank_state], ""
-    buf = io.BytesIO()
-    torch.save(rank_state, buf)
-    data = buf.getvalue()
-    del buf  # its copy of the bytes: the state is not held twice through the exchange
+        return [torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)], ""
     every_disk = len(disks.writers) == env.world_size
     got, rounds = None, 0
     for w in [None] if every_disk else disks.writers:
@@ -354,35 +350,65 @@ def gather_states(env: DistEnv, disks: Disks, rank_state: dict, watchdog: Watchd
         got = received if received is not None else got
     del data
     if got is None:  # a rank that writes no disk
-        return [rank_state], ""
+        return [], ""
     size, ranks, states = sum(len(b) for b in got), len(got), []
     while got:  # each rank's bytes go once its state is read: the two are never all held at once
         states.append(torch.load(io.BytesIO(got.pop(0)), map_location="cpu", weights_only=True))
     return states, f"; {size / 2**20:.1f} MiB of {ranks} ranks' states in {rounds} round(s)"
 
 
-def save_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW,
-                    loader: TokenLoader, step: int, watchdog: Watchdog, extra: dict) -> None:
-    t0 = time.perf_counter()
-    rank_state = on_cpu({"step": step, "optimizer": opt.state_dict(), "loader": loader.state_dict(),
-                         "rng": torch.get_rng_state(), "extra": extra})
+@dataclass
+class Snapshot:
+    """A checkpoint's contents as of its step: this rank's state as torch.save bytes, and on a
+    disk's writer the weights (a copy of its own where the inner steps go on while it is written:
+    checkpoint_background.py)."""
+
+    step: int
+    rank_state: bytes
+    model_state: dict | None  # None on a rank that writes no disk
+    model_cfg: dict  # the model's shape, for the marker
+    extra: dict
+
+
+def take_snapshot(env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, loader: TokenLoader, step: int,
+                  extra: dict, copy_weights: bool) -> Snapshot:
+    buf = io.BytesIO()
+    torch.save(on_cpu({"step": step, "optimizer": opt.state_dict(), "loader": loader.state_dict(),
+                       "rng": torch.get_rng_state(), "extra": extra}), buf)
+    data = buf.getvalue()
+    del buf  # its copy of the bytes: the state is not held twice through the exchange
+    weights = None
+    if disks.writer(env.rank):
+        weights = model.state_dict()
+        if copy_weights:
+            weights = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
+    return Snapshot(step, data, weights, dataclasses.asdict(model.cfg), extra)
+
+
+def write_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, snap: Snapshot, watchdog: Watchdog,
+                     how: str = "") -> None:
+    """Every rank's state to every disk, then sealed on every disk once all of them hold it;
+    collective. `how` ends the log line (the background's note)."""
+    t0, step, extra = time.perf_counter(), snap.step, snap.extra
     # every disk gets every rank's state: a node that is wiped, added or alone can still resume
-    rank_states, crossed = gather_states(env, disks, rank_state, watchdog, step)
+    rank_states, crossed = gather_states(env, disks, snap.rank_state, watchdog, step)
+    snap.rank_state = b""
     error = None
     if disks.writer(env.rank):
         try:
-            write_step_files(cfg.out_dir, step, model.state_dict(), rank_states)
+            write_step_files(cfg.out_dir, step, snap.model_state, rank_states)
         except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
             done = complete_steps(cfg.out_dir)
             error = (f"cannot write checkpoint step {step} under {cfg.out_dir}: {type(exc).__name__}: {exc}. "
                      f"Earlier checkpoints are untouched (newest complete: {done[-1] if done else 'none'}). Fix: "
                      f"free space on {env.host} or move --out-dir, then start the run again: it resumes from there")
     del rank_states
+    snap.model_state = None
     # instead of a plain barrier: a full disk on one node stops every rank with its reason
     fail_together(env, disks, watchdog, "checkpoint", step, error)
     if disks.writer(env.rank):
         # the model's shape and its tokenizer: what sampling needs besides model.pt, wherever it is copied
-        sampling = {"model": dataclasses.asdict(model.cfg), "tokenizer_sha256": extra["tokenizer_sha256"],
+        sampling = {"model": snap.model_cfg, "tokenizer_sha256": extra["tokenizer_sha256"],
                     "tokenizer_dir": os.path.abspath(cfg.tokenizer_dir)}
         # what resume must know before it reads a file: how the run steps, and what auto chose
         stepping = {"local_steps": "outer" in extra, **({"auto_choice": extra["auto_choice"]}
@@ -390,7 +416,13 @@ def save_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, op
         mark_complete(cfg.out_dir, step, {**disks.layout(env.hosts or [env.host]), **sampling, **stepping},
                       cfg.keep_checkpoints)
     log(env, f"checkpoint step {step} saved to {step_dir(cfg.out_dir, step)} "
-             f"in {time.perf_counter() - t0:.2f}s{crossed}")
+             f"in {time.perf_counter() - t0:.2f}s{crossed}{how}")
+
+
+def save_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW,
+                    loader: TokenLoader, step: int, watchdog: Watchdog, extra: dict) -> None:
+    """A checkpoint written while every rank waits for it."""
+    write_checkpoint(cfg, env, disks, take_snapshot(env, disks, model, opt, loader, step, extra, False), watchdog)
 
 
 START_AFRESH = "start afresh with another --run-name or --out-dir"

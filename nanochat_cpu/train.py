@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from . import __version__, checkpoint, fingerprint
+from .checkpoint_background import BackgroundCheckpoints
 from .compile_choice import TIMED_STEPS, CompileChoice
 from .config import (
     NEVER,
@@ -563,6 +564,8 @@ def run(cfg: TrainConfig) -> int:
     model = build_model(cfg, env, tokenizer.vocab_size)
     disks = checkpoint.find_disks(cfg, env, watchdog)
     nodes = find_local_step_nodes(cfg, env, watchdog)
+    # with local steps the wire is idle between outer syncs: checkpoints cross it then
+    background = BackgroundCheckpoints(cfg, env, disks, cfg.collective_timeout + WATCHDOG_GRACE_S) if nodes else None
     warm_until = sync_warmup_steps(cfg) if nodes else 0  # the synchronous steps before local ones
     found = checkpoint.find_resume_step(cfg, env, disks, watchdog)
     auto_choice = None  # auto's choice once it timed the warm-up: {"synchronous": ..., "why": ...[, "warm_until"]}
@@ -732,7 +735,13 @@ def run(cfg: TrainConfig) -> int:
             if diloco is not None:  # at a boundary: the model is theta_global; the outer momentum, the chosen H
                 extra |= {"outer": diloco.state_dict(),
                           "sync_schedule": {"first": schedule.first, "every": schedule.every}}
-            checkpoint.save_checkpoint(cfg, env, disks, model, opt, loader, step, watchdog, extra)
+            if background is not None and diloco is not None and not (last or stopping):
+                background.start(checkpoint.take_snapshot(env, disks, model, opt, loader, step, extra,
+                                                          copy_weights=True))
+            else:
+                if background is not None:
+                    background.wait(step)
+                checkpoint.save_checkpoint(cfg, env, disks, model, opt, loader, step, watchdog, extra)
             tracker.flush()
         if stopping:
             break

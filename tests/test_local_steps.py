@@ -13,6 +13,7 @@ import time
 import pytest
 import torch
 
+from nanochat_cpu import checkpoint
 from nanochat_cpu.config import parse_config, sync_warmup_steps
 from nanochat_cpu.sync_diloco import (
     AUTO_FIRST_PHASE,
@@ -25,7 +26,7 @@ from nanochat_cpu.sync_diloco import (
 from nanochat_cpu.train import auto_on_resume
 from tests.local_steps_worker import OUTER_LR, OUTER_MOMENTUM
 from tests.test_train_runs import losses, read_until, tiny_flags, train_target
-from tests.torchrun_helpers import REPO, free_port, kill_tree, node_env, spawn_node
+from tests.torchrun_helpers import REPO, SLOW_CHECKPOINT_TRAIN, free_port, kill_tree, node_env, spawn_node
 
 WORKER = str(REPO / "tests" / "local_steps_worker.py")
 LATE_TRAIN = str(REPO / "tests" / "late_node_train.py")
@@ -304,6 +305,57 @@ def test_auto_ends_the_warm_up_early_on_a_slow_wire_and_a_resume_keeps_that_end(
     for step, loss in resumed.items():
         if step <= end + AUTO_FIRST_PHASE or same_h:
             assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
+
+
+def test_a_checkpoint_reaches_every_disk_while_the_inner_steps_go_on_and_a_kill_mid_way_loses_nothing(
+        tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """With local steps a checkpoint crosses to the other disks in the background, the wire being
+    idle between outer syncs. Here each crosses in about 200 rounds of 8 KiB, each 0.02 s slower
+    than loopback (tests/slow_checkpoint_train.py): 4 s, against inner steps of 20 ms. The steps go on
+    meanwhile, the next checkpoint waits for it (and says so), every disk ends with the same
+    bytes. A node killed while checkpoint 8 is crossing leaves it unsealed everywhere, and the
+    run resumes from checkpoint 4 and repeats the uninterrupted run's losses: nothing is lost
+    that a checkpoint had sealed, nothing unsealed is resumed."""
+    env = {**node_env(), "CHUNK_BYTES": "8192", "ROUND_S": "0.02"}
+
+    def start(run: str) -> list[subprocess.Popen]:
+        port = free_port()
+        return [spawn_node(2, n, port, [SLOW_CHECKPOINT_TRAIN, *tiny_flags(
+            tiny_data_dir, tiny_tokenizer_dir, tmp_path / run / f"n{n}", sync_every=4, sync_warmup_ratio=0,
+            num_iterations=16, checkpoint_every=4, keep_checkpoints=5)], env=env) for n in range(2)]
+
+    whole = assert_ok(collect(start("a"), 240))
+    node0 = [line for line in whole.splitlines() if "rank 0/2]" in line]
+    in_order = ["checkpoint step 4 taken: it reaches every disk in the background", "step 00005/",
+                "checkpoint step 4 saved to", "step 8 waited"]  # the steps went on while it crossed
+    at = [next((i for i, line in enumerate(node0) if what in line), -1) for what in in_order]
+    assert -1 not in at and at == sorted(at), "\n".join(node0)
+    assert re.search(r"checkpoint step 4 saved to \S+ in [0-9.]+s; [0-9.]+ MiB of 2 ranks' states in \d\d+ "
+                     r"round\(s\), in the background of the inner steps", whole), whole
+    assert re.search(r"checkpoint step 16 saved to \S+ in [0-9.]+s; [0-9.]+ MiB of 2 ranks' states in \d+ "
+                     r"round\(s\)\n", whole), whole  # the last one while every rank waits
+    runs = [tmp_path / "a" / f"n{n}" for n in range(2)]
+    for n in range(2):
+        assert checkpoint.complete_steps(str(runs[n])) == [4, 8, 12, 16]
+    for f in (runs[0] / "checkpoints" / "step_000008").iterdir():
+        assert f.read_bytes() == (runs[1] / "checkpoints" / "step_000008" / f.name).read_bytes(), f.name
+    full = losses(whole)
+
+    procs = start("b")
+    read_until(procs[1], "checkpoint step 8 taken", timeout=120)
+    seen = read_until(procs[1], "step 00009/", timeout=60)
+    assert "checkpoint step 8 saved" not in seen, seen
+    kill_tree(procs[1].pid, signal.SIGKILL)
+    procs[1].wait(30)
+    assert procs[0].wait(90) != 0
+    for n in range(2):
+        assert checkpoint.complete_steps(str(tmp_path / "b" / f"n{n}")) == [4]
+    resumed = assert_ok(collect(start("b"), 240))
+    assert "resumed from checkpoint step 4" in resumed, resumed
+    again = losses(resumed)
+    assert sorted(again) == list(range(5, 17))
+    for step, loss in again.items():
+        assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
 
 
 def test_local_steps_start_after_a_synchronous_warm_up_and_resume_from_its_checkpoint(tiny_data_dir,
