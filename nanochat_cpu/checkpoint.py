@@ -110,13 +110,18 @@ def atomic_torch_save(obj, path: str) -> None:
         raise
 
 
-def atomic_write_bytes(path: str, data: bytes) -> None:
+def atomic_write_bytes(path: str, data: bytes | bytearray) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):  # as atomic_torch_save: a full disk gets its space back
+            os.unlink(tmp)
+        raise
 
 
 def atomic_write_text(path: str, text: str) -> None:
@@ -132,16 +137,18 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_step_files(out_dir: str, step: int, model_state: dict, rank_states: list[dict]) -> None:
-    """Phase 1, once per disk: the model and every rank's state, so this disk alone can resume the
-    run at any layout. The caller learns whether every disk's write succeeded, then seals."""
+def write_step_files(out_dir: str, step: int, model_state: dict, rank_files: list[bytes | bytearray]) -> None:
+    """Phase 1, once per disk: the model and every rank's state (its torch.save bytes, as it sent
+    them: written as they are, each dropped once on disk), so this disk alone can resume the run
+    at any layout. The caller learns whether every disk's write succeeded, then seals."""
     d = step_dir(out_dir, step)
     if os.path.isdir(d):  # an unsealed wreck of an earlier attempt at this step: nothing of it is kept
         shutil.rmtree(d)
     os.makedirs(d)
     atomic_torch_save(model_state, os.path.join(d, "model.pt"))
-    for r, state in enumerate(rank_states):
-        atomic_torch_save(state, os.path.join(d, f"rank{r}.pt"))
+    for r in range(len(rank_files)):
+        atomic_write_bytes(os.path.join(d, f"rank{r}.pt"), rank_files[r])
+        rank_files[r] = b""
 
 
 def mark_complete(out_dir: str, step: int, layout: dict, keep: int) -> None:
@@ -333,16 +340,16 @@ def exchange_bytes(env: DistEnv, disks: Disks, data: bytes, dst: int | None, wat
     return parts, rounds
 
 
-def gather_states(env: DistEnv, disks: Disks, data: bytes, watchdog: Watchdog, step: int) -> tuple[list, str]:
-    """Every rank's state (`data`: its torch.save bytes), on every disk's writer, and what crossed
-    (for the log line). With one rank per disk (a node per host, the usual case) that is one
-    all-gather: Gloo's ring moves every node's share over every link at once, where a gather per
-    writer loads one writer's link at a time (10 Mbit/s, 3 nodes, local steps' whole-model
-    optimizer states: 1,289 s). Ranks that share a disk send to its writer only, one gather per
-    writer: the others would hold every rank's state for nothing. The states are read back as the
-    files are (weights only)."""
+def gather_states(env: DistEnv, disks: Disks, data: bytes, watchdog: Watchdog, step: int,
+                  ) -> tuple[list[bytes | bytearray], str]:
+    """Every rank's state (`data`: its torch.save bytes), as bytes, on every disk's writer ([] on
+    the other ranks), and what crossed (for the log line). With one rank per disk (a node per host,
+    the usual case) that is one all-gather: Gloo's ring moves every node's share over every link at
+    once, where a gather per writer loads one writer's link at a time (10 Mbit/s, 3 nodes, local
+    steps' whole-model optimizer states: 1,289 s). Ranks that share a disk send to its writer only,
+    one gather per writer: the others would hold every rank's state for nothing."""
     if not env.distributed:
-        return [torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)], ""
+        return [data], ""
     every_disk = len(disks.writers) == env.world_size
     got, rounds = None, 0
     for w in [None] if every_disk else disks.writers:
@@ -351,10 +358,7 @@ def gather_states(env: DistEnv, disks: Disks, data: bytes, watchdog: Watchdog, s
     del data
     if got is None:  # a rank that writes no disk
         return [], ""
-    size, ranks, states = sum(len(b) for b in got), len(got), []
-    while got:  # each rank's bytes go once its state is read: the two are never all held at once
-        states.append(torch.load(io.BytesIO(got.pop(0)), map_location="cpu", weights_only=True))
-    return states, f"; {size / 2**20:.1f} MiB of {ranks} ranks' states in {rounds} round(s)"
+    return got, f"; {sum(len(b) for b in got) / 2**20:.1f} MiB of {len(got)} ranks' states in {rounds} round(s)"
 
 
 @dataclass
@@ -391,18 +395,18 @@ def write_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, snap: Snapsho
     collective. `how` ends the log line (the background's note)."""
     t0, step, extra = time.perf_counter(), snap.step, snap.extra
     # every disk gets every rank's state: a node that is wiped, added or alone can still resume
-    rank_states, crossed = gather_states(env, disks, snap.rank_state, watchdog, step)
+    rank_files, crossed = gather_states(env, disks, snap.rank_state, watchdog, step)
     snap.rank_state = b""
     error = None
     if disks.writer(env.rank):
         try:
-            write_step_files(cfg.out_dir, step, snap.model_state, rank_states)
+            write_step_files(cfg.out_dir, step, snap.model_state, rank_files)
         except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
             done = complete_steps(cfg.out_dir)
             error = (f"cannot write checkpoint step {step} under {cfg.out_dir}: {type(exc).__name__}: {exc}. "
                      f"Earlier checkpoints are untouched (newest complete: {done[-1] if done else 'none'}). Fix: "
                      f"free space on {env.host} or move --out-dir, then start the run again: it resumes from there")
-    del rank_states
+    del rank_files
     snap.model_state = None
     # instead of a plain barrier: a full disk on one node stops every rank with its reason
     fail_together(env, disks, watchdog, "checkpoint", step, error)

@@ -2,7 +2,8 @@
 
     FAULT_RANK=0 FAULT_STEP=8 FAULT_FILE=model.pt FAULT_MODE=kill python tests/fault_train.py [train flags]
 
-When rank FAULT_RANK writes FAULT_FILE of checkpoint step FAULT_STEP:
+When rank FAULT_RANK writes FAULT_FILE of checkpoint step FAULT_STEP (model.pt through
+atomic_torch_save, a rank's file through atomic_write_bytes):
   kill    half of the file's bytes reach its temporary file, then the process SIGKILLs itself:
           a crash or power loss in the middle of a checkpoint, at a known point;
   enospc  the real write path runs and the disk "fills up" half way (OSError ENOSPC).
@@ -46,9 +47,13 @@ def _enospc() -> None:
 _real_torch_save = torch.save
 
 
+def _is_target(path: str) -> bool:
+    return (os.environ.get("RANK", "0"), os.path.basename(os.path.dirname(path)), os.path.basename(path)) == _target
+
+
 def sabotaged_save(obj, path: str) -> None:
-    here = (os.environ.get("RANK", "0"), os.path.basename(os.path.dirname(path)), os.path.basename(path))
-    if here != _target:
+    """model.pt: torch.save's output cut half way."""
+    if not _is_target(path):
         return _real_save(obj, path)
     then = _kill if _mode == "kill" else _enospc
     torch.save = lambda o, f: _half_then(o, f, then)  # the real atomic_torch_save around it
@@ -58,7 +63,42 @@ def sabotaged_save(obj, path: str) -> None:
         torch.save = _real_torch_save
 
 
+class _HalfFile:
+    """The real file, whose one write reaches half of its bytes before `then`."""
+
+    def __init__(self, f, then):
+        self.f, self.then = f, then
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.f.close()
+
+    def write(self, data) -> None:
+        self.f.write(bytes(memoryview(data)[: len(data) // 2]))
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.then()
+
+
+_real_write_bytes = checkpoint.atomic_write_bytes
+
+
+def sabotaged_write_bytes(path: str, data) -> None:
+    """rank{r}.pt, written as the bytes the rank sent: the real atomic_write_bytes, its file cut half way."""
+    if not _is_target(path):
+        return _real_write_bytes(path, data)
+    then = _kill if _mode == "kill" else _enospc
+    checkpoint.open = lambda name, mode: _HalfFile(open(name, mode), then)  # shadows the builtin there
+    try:
+        return _real_write_bytes(path, data)
+    finally:
+        del checkpoint.open
+
+
 checkpoint.atomic_torch_save = sabotaged_save
+checkpoint.atomic_write_bytes = sabotaged_write_bytes
 
 from nanochat_cpu.train import main  # noqa: E402 - the patch must precede the import
 

@@ -160,7 +160,7 @@ def test_prune_keeps_what_it_sealed_and_never_touches_newer_checkpoints(tmp_path
     layout = {"world_size": 1, "hosts": ["h"], "node_of_rank": [0]}
 
     def seal(step: int, keep: int = 2, where: str = out) -> None:
-        checkpoint.write_step_files(where, step, {"w": step}, [{"step": step}])
+        checkpoint.write_step_files(where, step, {"w": step}, [b"rank 0's state"])
         checkpoint.mark_complete(where, step, layout, keep=keep)
 
     seal(40)
