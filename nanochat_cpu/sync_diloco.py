@@ -30,9 +30,10 @@ of the steps synchronously, checkpoints, and every node then continues the whole
 optimizer state (train.start_local_steps). OuterSchedule's `start` is that step.
 
 Per outer step each leader sends (nodes - 1) / nodes of the model twice, where ZeRO-2 sends
-about that every step: H times fewer bytes. `--sync-every auto` runs a first phase of
-AUTO_FIRST_PHASE steps, times its outer sync against the slowest node's inner step, and picks
-the H at which the sync is at most 5 percent of the wall time (`choose_sync_every`). The sync it
+about that every step: H times fewer bytes. `--sync-every auto` runs a first phase (as long as
+the synchronous warm-up's wire wait says H should be, `first_outer_phase`; AUTO_FIRST_PHASE steps
+where no warm-up was timed), times its outer sync against the slowest node's inner step, and
+picks the H at which the sync is at most 5 percent of the wall time (`choose_sync_every`). The sync it
 times is the last node's to arrive: the others' also holds their wait for that node, which is
 the inner phases' imbalance, and a longer H does not make that any smaller a share of the run.
 Before that, after timing AUTO_TIMED_STEPS of the synchronous warm-up's steps, auto asks whether
@@ -181,6 +182,19 @@ def keep_synchronous(wire_share: float | None) -> tuple[bool, str]:
     if wire_share <= AUTO_WIRE_SHARE:
         return True, f"{verdict}, at most {AUTO_WIRE_SHARE:.0%}: every step stays synchronous"
     return False, f"{verdict}, over {AUTO_WIRE_SHARE:.0%}: local steps follow"
+
+
+def first_outer_phase(wire_s: float, work_s: float) -> tuple[int, str]:
+    """auto, once it chose local steps from the warm-up: the inner steps before the first outer
+    sync, and why. A synchronous step sends what an outer sync sends (the others' slices of a
+    gradient, then of the parameters), so its wire wait `wire_s` against `work_s`, a step's work
+    but its waits, already gives the H choose_sync_every would take from an outer sync. The first
+    outer sync is timed all the same and sets H; this only spares a sync after AUTO_FIRST_PHASE
+    steps (on a slow link, a whole sync's wait; 10 Mbit/s at depth 8: ~110 s)."""
+    h, _ = choose_sync_every(wire_s, work_s)
+    h = max(AUTO_FIRST_PHASE, h)  # the phase's mean step is timed: a first inner step alone allocates
+    return h, (f"the first outer sync after {h} inner steps (a synchronous step waited {wire_s:.2f} s on the "
+               f"wire against {work_s:.2f} s of work, and an outer sync sends as much); its own time sets H")
 
 
 def warm_up_end(wire_s: float, local_step_s: float, num_iterations: int, planned: int, step: int) -> tuple[int, str]:

@@ -74,6 +74,7 @@ from .sync_diloco import (
     OuterSchedule,
     choose_sync_every,
     find_nodes,
+    first_outer_phase,
     keep_synchronous,
     node_token_share,
     warm_up_end,
@@ -308,14 +309,15 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
     saved = extra.get("sync_schedule")
     if every is None and saved:  # auto, resumed: the H it chose
         schedule = OuterSchedule(saved["first"], saved["every"], cfg.num_iterations, start)
-    elif every is None:
-        schedule = OuterSchedule(start + AUTO_FIRST_PHASE, None, cfg.num_iterations, start)
+    elif every is None:  # auto: H from the first outer sync's timing, after a phase the warm-up's wire chose
+        first = (extra.get("auto_choice") or {}).get("first_phase", AUTO_FIRST_PHASE)
+        schedule = OuterSchedule(start + first, None, cfg.num_iterations, start)
     else:
         schedule = OuterSchedule(start + every, every, cfg.num_iterations, start)
     average = " (a plain average)" if (cfg.outer_lr, cfg.outer_momentum) == (1, 0) else ""
     log(env, f"local steps: node {nodes.index} of {nodes.count} (ranks {nodes.ranks[nodes.index]}), "
              f"{share:.1%} of each inner step's tokens; outer sync every "
-             f"{schedule.every or f'auto (first after {AUTO_FIRST_PHASE})'} steps from step {start}, outer lr "
+             f"{schedule.every or f'auto (first after {schedule.first - start})'} steps from step {start}, outer lr "
              f"{cfg.outer_lr} Nesterov momentum {cfg.outer_momentum}{average}, "
              f"{diloco.sent_bytes / 2**20:.1f} MiB sent per outer step by the node's first rank")
     return diloco, schedule
@@ -325,7 +327,8 @@ def choose_after_timed_steps(cfg: TrainConfig, env: DistEnv, warm: PhaseTimes, s
                              watchdog: Watchdog) -> dict:
     """auto, after timing the synchronous warm-up's first steps: {"synchronous": whether every step
     stays synchronous, "why": ...}, and where local steps follow, "warm_until": the step the warm-up
-    ends at and "asked_until": the end --sync-warmup-ratio asked for. Every rank decides alike: from
+    ends at, "asked_until": the end --sync-warmup-ratio asked for, and "first_phase": the inner
+    steps before the first outer sync. Every rank decides alike: from
     the smallest wire share and wire wait any rank saw (the last rank to arrive: the wire's own) and
     the largest step but its waits (the slowest rank's work)."""
     timed = warm.steps > 0
@@ -344,6 +347,8 @@ def choose_after_timed_steps(cfg: TrainConfig, env: DistEnv, warm: PhaseTimes, s
         choice["warm_until"], cap_why = warm_up_end(wire_s, work_s, cfg.num_iterations, warm_until, step)
         choice["asked_until"] = sync_warmup_steps(cfg)  # a restart that asks for fewer gets fewer
         log(env, f"sync-every auto: {cap_why}")
+        choice["first_phase"], first_why = first_outer_phase(wire_s, work_s)
+        log(env, f"sync-every auto: {first_why}")
     return choice
 
 

@@ -20,6 +20,7 @@ from nanochat_cpu.sync_diloco import (
     AUTO_MAX_H,
     OuterSchedule,
     choose_sync_every,
+    first_outer_phase,
     keep_synchronous,
     warm_up_end,
 )
@@ -282,6 +283,14 @@ def test_auto_ends_the_warm_up_early_on_a_slow_wire_and_a_resume_keeps_that_end(
     end = int(cut.group(1))
     assert 5 <= end < 30, first  # 5% of 40 steps of ~0.5 s is ~1 s: ~10 waits of 0.1 s
     assert f"synchronous warm-up done at step {end} " in first, first
+    # the first outer sync comes as many inner steps later as the warm-up's wire wait asks for
+    # (0.1 s against 0.5-s steps: 4), not after AUTO_FIRST_PHASE steps, and is timed for H
+    first_sync = re.search(r"sync-every auto: the first outer sync after (\d+) inner steps \(a synchronous step "
+                           r"waited 0\.1\d s on the wire against 0\.\d\d s of work, and an outer sync sends as "
+                           r"much\); its own time sets H", first)
+    assert first_sync and int(first_sync.group(1)) > AUTO_FIRST_PHASE, first
+    phase = int(first_sync.group(1))
+    assert f"outer step 1 at step {end + phase:05d}:" in first and "sync-every auto: H=" in first, first
     full = losses(first)
     assert sorted(full) == list(range(1, 41))
     inside = max(step for step in range(4, end, 4))  # a checkpoint inside the shortened warm-up
@@ -301,9 +310,10 @@ def test_auto_ends_the_warm_up_early_on_a_slow_wire_and_a_resume_keeps_that_end(
     assert sorted(resumed) == list(range(inside + 1, 41))
     # H is chosen again from the first outer sync's timing, a few loopback milliseconds that may
     # round to another H: the losses repeat to that sync, and past it where both chose alike
+    assert f"outer step 1 at step {end + phase:05d}:" in second, second
     same_h = re.findall(r"sync-every auto: H=(\d+) ", first) == re.findall(r"sync-every auto: H=(\d+) ", second)
     for step, loss in resumed.items():
-        if step <= end + AUTO_FIRST_PHASE or same_h:
+        if step <= end + phase or same_h:
             assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
 
 
@@ -517,6 +527,13 @@ def test_auto_holds_the_warm_up_waits_to_five_percent_of_the_run():
     assert why == ("the synchronous warm-up ends at step 13 instead of 50 (each synchronous step waits 110.00 s on "
                    "the wire, and 5% of the run's ~8.3h (1000 steps of ~30.00 s once local) buys 13)")
     assert warm_up_end(wire_s=100.0, local_step_s=1.0, num_iterations=100, planned=5, step=3)[0] == 3  # not before now
+
+
+def test_auto_sets_the_first_inner_phase_from_the_warm_ups_wire_wait():
+    assert first_outer_phase(wire_s=0.1, work_s=0.5)[0] == 4  # 19 x 0.2 = 3.8
+    assert first_outer_phase(wire_s=110.0, work_s=30.0)[0] == 70  # 10 Mbit/s, depth 8
+    assert first_outer_phase(wire_s=0.001, work_s=1.0)[0] == AUTO_FIRST_PHASE  # never a lone first step
+    assert first_outer_phase(wire_s=500.0, work_s=1.0)[0] == AUTO_MAX_H
 
 
 def test_a_resume_keeps_autos_warm_up_end_unless_the_restart_asks_for_a_shorter_warm_up():
