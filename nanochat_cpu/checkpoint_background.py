@@ -16,8 +16,14 @@ What keeps this safe:
 - The thread's collectives go on a process group of their own, and its own watchdog names a
   round that stalls (a peer lost mid-way), exiting as the loop's would; a full disk stops every
   rank with its reason, as in the loop.
-- Until every disk holds the checkpoint none is sealed and none older is pruned: a node killed
-  mid-way resumes from the checkpoint before, as if this one had never been begun.
+- No disk seals it, nor prunes an older one, before every disk reported its write: a node lost
+  while it crosses leaves it unsealed everywhere, and the run resumes from the checkpoint before.
+  (Lost after that agreement, as in a checkpoint every rank waits for, some disks may have
+  sealed it: the run resumes from it and the others get it back at start.)
+
+What it does not hide: its traffic shares the wire with an outer sync that comes before it is
+done (one that crosses in less than an inner phase never meets one), and a stop or the last
+step waits for it before writing its own checkpoint with every rank waiting.
 """
 
 from __future__ import annotations
@@ -37,12 +43,13 @@ if TYPE_CHECKING:
 
 
 class BackgroundCheckpoints:
-    def __init__(self, cfg: TrainConfig, env: DistEnv, disks: Disks, bound_s: float):
+    def __init__(self, cfg: TrainConfig, env: DistEnv, disks: Disks, watchdog: Watchdog):
         """Collective: every rank builds the process group the thread's collectives go on."""
         self.cfg, self.env = cfg, env
-        group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.collective_timeout))
+        with watchdog.phase("new process group for background checkpoints", 0):
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.collective_timeout))
         self.disks = Disks(disks.disk_of_rank, disks.node_of_rank, group)
-        self.watchdog = Watchdog(env, bound_s)  # its own phase, the loop's watchdog keeps the loop's
+        self.watchdog = Watchdog(env, watchdog.bound_s)  # a phase of its own: the loop's watchdog keeps the loop's
         self.thread: threading.Thread | None = None
         self.writing: int | None = None  # the step being written
 
@@ -63,7 +70,8 @@ class BackgroundCheckpoints:
         except BaseException as exc:  # noqa: BLE001 - a thread's error would otherwise only be printed
             fail(self.env, EXIT_COLLECTIVE, f"checkpoint step {snap.step}, written in the background, failed after "
                                             f"{time.perf_counter() - t0:.1f}s: {type(exc).__name__}: {exc}. Exiting "
-                                            f"so the unit restarts and resumes from the checkpoint before it.")
+                                            f"so the unit restarts and resumes from the newest checkpoint "
+                                            f"sealed.")
 
     def wait(self, step: int) -> None:
         """Until the checkpoint being written is on every disk and sealed (bounded: its watchdog)."""

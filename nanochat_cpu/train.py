@@ -570,7 +570,7 @@ def run(cfg: TrainConfig) -> int:
     disks = checkpoint.find_disks(cfg, env, watchdog)
     nodes = find_local_step_nodes(cfg, env, watchdog)
     # with local steps the wire is idle between outer syncs: checkpoints cross it then
-    background = BackgroundCheckpoints(cfg, env, disks, cfg.collective_timeout + WATCHDOG_GRACE_S) if nodes else None
+    background = BackgroundCheckpoints(cfg, env, disks, watchdog) if nodes else None
     warm_until = sync_warmup_steps(cfg) if nodes else 0  # the synchronous steps before local ones
     found = checkpoint.find_resume_step(cfg, env, disks, watchdog)
     auto_choice = None  # auto's choice once it timed the warm-up: {"synchronous": ..., "why": ...[, "warm_until"]}
@@ -740,12 +740,12 @@ def run(cfg: TrainConfig) -> int:
             if diloco is not None:  # at a boundary: the model is theta_global; the outer momentum, the chosen H
                 extra |= {"outer": diloco.state_dict(),
                           "sync_schedule": {"first": schedule.first, "every": schedule.every}}
+            if background is not None:  # one at a time: the last one's bytes go before this one is taken
+                background.wait(step)
             if background is not None and diloco is not None and not (last or stopping):
                 background.start(checkpoint.take_snapshot(env, disks, model, opt, loader, step, extra,
                                                           copy_weights=True))
             else:
-                if background is not None:
-                    background.wait(step)
                 checkpoint.save_checkpoint(cfg, env, disks, model, opt, loader, step, watchdog, extra)
             tracker.flush()
         if stopping:
