@@ -238,7 +238,8 @@ class DiLoCo:
                  outer_momentum: float, grad_dtype: torch.dtype, param_dtype: torch.dtype,
                  shared_params: bool):
         self.params = list(model.parameters())
-        self.nodes, self.weight = nodes, token_share
+        self.nodes, self.weight = nodes, token_share  # weight: the node's share where no step was counted
+        self.rows = [0, 0]  # this node's rows and every node's, over the inner steps counted since the last sync
         self.lr, self.mu = outer_lr, outer_momentum
         self.grad_dtype, self.param_dtype = grad_dtype, param_dtype
         self.shared_params = shared_params  # the node's ranks read one copy of the weights (shared memory)
@@ -260,6 +261,19 @@ class DiLoCo:
         self.new_slice = torch.zeros(self.shard, dtype=torch.float32, device=device)
         self.updates = None if param_dtype == torch.float32 else torch.empty(full, dtype=param_dtype, device=device)
 
+    def count(self, sizes: list[int]) -> None:
+        """One inner step at the split `sizes` (rows per rank). The split may change inside a phase
+        (checked again once the inner steps begin): each node's delta is weighed by the rows it
+        really did in the phase, and a phase at one split gets exactly node_token_share."""
+        self.rows[0] += sum(sizes[r] for r in self.nodes.ranks[self.nodes.index])
+        self.rows[1] += sum(sizes)
+
+    def phase_share(self) -> float:
+        """This node's share of the tokens of the phase that ends, and the count starts anew."""
+        share = self.rows[0] / self.rows[1] if self.rows[1] else self.weight
+        self.rows = [0, 0]
+        return share
+
     def flatten_into(self, flat: torch.Tensor) -> None:
         offset = 0
         for p in self.params:
@@ -276,12 +290,13 @@ class DiLoCo:
     @torch.no_grad()
     def outer_step(self, mean_step_s: float) -> OuterStats:
         """Collective over every rank; `mean_step_s` is this rank's mean inner step of the phase."""
+        share = self.phase_share()  # every rank's count starts anew
         t0 = time.perf_counter()
         self.wait_s = 0.0
         # (squared norm of the delta's slice, mean inner step): summed and maxed over the nodes
         stats = torch.tensor([0.0, mean_step_s], dtype=torch.float64, device=self.params[0].device)
         if self.nodes.leader:
-            stats[0] = self._leader_step()
+            stats[0] = self._leader_step(share)
             everyone = torch.empty(self.nodes.count * 2, dtype=torch.float64, device=stats.device)
             self._wait(all_gather(everyone, stats, group=self.nodes.leaders, async_op=True))
             rows = everyone.view(self.nodes.count, 2)
@@ -296,11 +311,11 @@ class DiLoCo:
         return OuterStats(time.perf_counter() - t0, self.wait_s, float(stats[0]) ** 0.5,
                           self.sent_bytes if self.nodes.leader else 0, float(stats[1]))
 
-    def _leader_step(self) -> float:
+    def _leader_step(self, share: float) -> float:
         """The outer update of this leader's slice, theta_global back on every leader and in this
         node's weights; returns the squared norm of the delta in this slice."""
         self.flatten_into(self.local)
-        delta = torch.sub(self.theta, self.local, out=self.local).mul_(self.weight)
+        delta = torch.sub(self.theta, self.local, out=self.local).mul_(share)
         if self.send is not delta:
             self.send.copy_(delta)
         self._wait(dist.all_to_all_single(self.recv, self.send, group=self.nodes.leaders, async_op=True))

@@ -649,6 +649,8 @@ def run(cfg: TrainConfig) -> int:
             opt.step()
         opt.zero_grad()
         step += 1
+        if diloco is not None:
+            diloco.count(sizes)
         sync(env.device)
         comm_wait = opt.last_comm_wait
         # the whole step but its waits on other ranks: a compiled model's dense gradients change the
@@ -678,12 +680,10 @@ def run(cfg: TrainConfig) -> int:
         if not math.isfinite(train_loss):
             fail(env, EXIT_MISMATCH, f"loss is {train_loss} at step {step}: training diverged "
                                      f"(lower --matrix-lr/--embedding-lr or resume from an earlier checkpoint)")
-        if not boundary:
-            continue
-        # on schedule, and always after the last step: timings, checksums, eval, sample, checkpoint
-        last = step == cfg.num_iterations
         timed = (sizes, accum)  # the split the phase's timings were measured at
-        if split_times is not None and split_times.steps >= 2:  # once, and again when local steps begin
+        # once, and again when local steps begin, then after two inner steps: mid-phase if need be
+        # (auto's first phase may be long), each node's delta weighed by the rows it really did
+        if split_times is not None and split_times.steps >= 2:
             # a compiled model is specialised to its shapes: a new split would recompile inside a step
             new_sizes = None if compiling.compiling else check_split(cfg, env, sizes, accum, fixed_rows,
                                                                      split_times.per_step()[0], watchdog, step)
@@ -692,8 +692,8 @@ def run(cfg: TrainConfig) -> int:
                 sizes, accum = new_sizes, grad_accum_steps(cfg, new_sizes)
                 loader.batch_size = sizes[env.rank]  # it reads on from the same token: only the rows per call change
                 loss_scale = stepping_loss_scale(env, nodes if diloco is not None else None, sizes, accum)
-                if diloco is not None:  # the phases from here on weigh the nodes by their new share
-                    diloco.weight = node_token_share(nodes, sizes)
+                if not boundary:  # the phase's timings so far were of the old split
+                    phase = PhaseTimes()
                 compiling.restart_timing()
                 if diloco is None and nodes is not None and auto_choice is None and sync_every_steps(cfg) is None:
                     warm = PhaseTimes()  # auto times the wire at the new split
@@ -701,6 +701,10 @@ def run(cfg: TrainConfig) -> int:
                 if env.master:
                     log(env, f"batch: {cfg.total_batch_size:,} tokens/step = {accum} micro-steps x rows {sizes} x "
                              f"{cfg.max_seq_len} tokens")
+        if not boundary:
+            continue
+        # on schedule, and always after the last step: timings, checksums, eval, sample, checkpoint
+        last = step == cfg.num_iterations
         auto_pending = diloco is None and nodes is not None and auto_choice is None and sync_every_steps(cfg) is None
         if auto_pending and (warm.steps >= AUTO_TIMED_STEPS or step == warm_until) and not last:
             # before the timing line: it says what follows

@@ -18,6 +18,8 @@ from nanochat_cpu.config import parse_config, sync_warmup_steps
 from nanochat_cpu.sync_diloco import (
     AUTO_FIRST_PHASE,
     AUTO_MAX_H,
+    DiLoCo,
+    Nodes,
     OuterSchedule,
     choose_sync_every,
     first_outer_phase,
@@ -406,12 +408,13 @@ def test_the_split_is_checked_again_when_the_local_steps_begin(tiny_data_dir, ti
     its optimizer on the whole model and none waits on the wire): node 0 is the slow one in the
     warm-up (steps 1-3), node 1 from step 4, each by far more than the machine's load does to
     milliseconds of compute. The warm-up's check leaves node 0 no more rows than node 1; the check
-    against the first inner steps (4-5, to the first outer sync at 5) gives node 0 more. The
+    against the first inner steps (4-5) gives node 0 more at once, in the middle of the first inner
+    phase (H = 4: the outer sync at 7), which weighs each node by the rows it really did in it. The
     warm-up's checkpoint saves the split as not yet settled (a resume from it checks again); the
     last one saves the new split, settled."""
     port = free_port()
     env = {**node_env(), "SLOW_S": "0.5", "SLOW_RANK": "1", "SLOW_FROM": "4", "EARLY_RANK": "0", "EARLY_S": "0.5"}
-    flags = [[SLOW_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=2,
+    flags = [[SLOW_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=4,
                                       sync_warmup_ratio=0.25, rank_batch_sizes="auto", checkpoint_every=0,
                                       keep_checkpoints=5)] for node in range(2)]
     out = assert_ok(collect([spawn_node(2, n, port, flags[n], env=env) for n in range(2)], 240))
@@ -422,6 +425,8 @@ def test_the_split_is_checked_again_when_the_local_steps_begin(tiny_data_dir, ti
                       r"rows \[(\d+), (\d+)\] instead of", out)
     assert moved and int(moved.group(1)) > int(moved.group(2)), out
     assert f"rows [{moved.group(1)}, {moved.group(2)}] x 64 tokens" in out, out
+    assert re.findall(r"rank 0/2\] outer step (\d) at step (\d+)", out) == [("1", "00007"), ("2", "00011"),
+                                                                         ("3", "00012")], out
     assert sorted(losses(out)) == list(range(1, 13))
     saved = torch.load(tmp_path / "n0" / "checkpoints" / "step_000003" / "rank0.pt", weights_only=False)
     assert saved["extra"]["split_settled"] is False
@@ -527,6 +532,18 @@ def test_auto_holds_the_warm_up_waits_to_five_percent_of_the_run():
     assert why == ("the synchronous warm-up ends at step 13 instead of 50 (each synchronous step waits 110.00 s on "
                    "the wire, and 5% of the run's ~8.3h (1000 steps of ~30.00 s once local) buys 13)")
     assert warm_up_end(wire_s=100.0, local_step_s=1.0, num_iterations=100, planned=5, step=3)[0] == 3  # not before now
+
+
+def test_an_outer_step_weighs_a_node_by_the_rows_it_did_when_the_split_changed_mid_phase():
+    nodes = Nodes(index=0, ranks=[[0], [1]], group=None, leaders=None, rank=0)
+    diloco = DiLoCo(torch.nn.Linear(4, 4), nodes, 0.5, 1.0, 0.0, torch.float32, torch.float32, shared_params=False)
+    for sizes in ([2, 2], [2, 2], [5, 3], [5, 3]):  # re-split after two steps
+        diloco.count(sizes)
+    assert diloco.phase_share() == 14 / 24  # not 5/8, the split it ends at
+    for _ in range(7):
+        diloco.count([1, 2])
+    assert diloco.phase_share() == 1 / 3  # a phase at one split: exactly node_token_share's
+    assert diloco.phase_share() == 0.5  # nothing counted: the share it was built with
 
 
 def test_auto_sets_the_first_inner_phase_from_the_warm_ups_wire_wait():
