@@ -239,7 +239,7 @@ class DiLoCo:
                  shared_params: bool):
         self.params = list(model.parameters())
         self.nodes, self.weight = nodes, token_share  # weight: the node's share where no step was counted
-        self.rows = [0, 0]  # this node's rows and every node's, over the inner steps counted since the last sync
+        self.rows = [0, 0]  # this node's rows and every node's, over the inner steps since the last sync
         self.lr, self.mu = outer_lr, outer_momentum
         self.grad_dtype, self.param_dtype = grad_dtype, param_dtype
         self.shared_params = shared_params  # the node's ranks read one copy of the weights (shared memory)
@@ -261,12 +261,13 @@ class DiLoCo:
         self.new_slice = torch.zeros(self.shard, dtype=torch.float32, device=device)
         self.updates = None if param_dtype == torch.float32 else torch.empty(full, dtype=param_dtype, device=device)
 
-    def count(self, sizes: list[int]) -> None:
-        """One inner step at the split `sizes` (rows per rank). The split may change inside a phase
-        (checked again once the inner steps begin): each node's delta is weighed by the rows it
-        really did in the phase, and a phase at one split gets exactly node_token_share."""
-        self.rows[0] += sum(sizes[r] for r in self.nodes.ranks[self.nodes.index])
-        self.rows[1] += sum(sizes)
+    def count(self, sizes: list[int], accum: int) -> None:
+        """One inner step of `accum` micro-steps at the split `sizes` (rows per rank). The split may
+        change inside a phase (checked again once the inner steps begin; a new split may take
+        another number of micro-steps): each node's delta is weighed by the rows it really did in
+        the phase, and a phase at one split gets exactly node_token_share."""
+        self.rows[0] += sum(sizes[r] for r in self.nodes.ranks[self.nodes.index]) * accum
+        self.rows[1] += sum(sizes) * accum
 
     def phase_share(self) -> float:
         """This node's share of the tokens of the phase that ends, and the count starts anew."""

@@ -650,7 +650,7 @@ def run(cfg: TrainConfig) -> int:
         opt.zero_grad()
         step += 1
         if diloco is not None:
-            diloco.count(sizes)
+            diloco.count(sizes, accum)
         sync(env.device)
         comm_wait = opt.last_comm_wait
         # the whole step but its waits on other ranks: a compiled model's dense gradients change the

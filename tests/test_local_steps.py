@@ -537,11 +537,12 @@ def test_auto_holds_the_warm_up_waits_to_five_percent_of_the_run():
 def test_an_outer_step_weighs_a_node_by_the_rows_it_did_when_the_split_changed_mid_phase():
     nodes = Nodes(index=0, ranks=[[0], [1]], group=None, leaders=None, rank=0)
     diloco = DiLoCo(torch.nn.Linear(4, 4), nodes, 0.5, 1.0, 0.0, torch.float32, torch.float32, shared_params=False)
-    for sizes in ([2, 2], [2, 2], [5, 3], [5, 3]):  # re-split after two steps
-        diloco.count(sizes)
-    assert diloco.phase_share() == 14 / 24  # not 5/8, the split it ends at
+    # 8 rows a step: [2, 2] in 2 micro-steps, then re-split to [5, 3] in one
+    for sizes, accum in (([2, 2], 2), ([2, 2], 2), ([5, 3], 1), ([5, 3], 1)):
+        diloco.count(sizes, accum)
+    assert diloco.phase_share() == 18 / 32  # not 5/8, the split it ends at
     for _ in range(7):
-        diloco.count([1, 2])
+        diloco.count([1, 2], 4)
     assert diloco.phase_share() == 1 / 3  # a phase at one split: exactly node_token_share's
     assert diloco.phase_share() == 0.5  # nothing counted: the share it was built with
 
