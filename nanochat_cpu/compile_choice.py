@@ -67,8 +67,8 @@ class CompileChoice:
     mode: str  # "on", "off" or "auto"
     why: str  # the mode's reason, for the banner; then the decision's
     num_iterations: int
-    group: dist.ProcessGroup | None = None  # the ranks that step together; None: one process
-    distributed: bool = False
+    group: dist.ProcessGroup | None = None  # the ranks that step together; None: every rank
+    distributed: bool = False  # more than one rank steps together: they agree on the timings
     ranks_on_host: int = 1  # their memory comes out of one host's
     decided: bool | None = None  # None while auto measures; then compiled or not
     eager: list[float] = field(default_factory=list)

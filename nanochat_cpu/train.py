@@ -596,7 +596,9 @@ def run(cfg: TrainConfig) -> int:
     if env.master:
         log(env, f"batch: {cfg.total_batch_size:,} tokens/step = {accum} micro-steps x rows {sizes} x "
                  f"{cfg.max_seq_len} tokens")
-    compiling = CompileChoice(model, compile_mode, compile_why, cfg.num_iterations, opt.group, env.distributed,
+    # the ranks that step together agree on its timings: a node's with local steps (a one-rank node
+    # has no node group, and falling through to every rank's would mismatch the nodes' collectives)
+    compiling = CompileChoice(model, compile_mode, compile_why, cfg.num_iterations, opt.group, opt.world_size > 1,
                               ranks_on_host=env.hosts.count(env.host) if env.hosts else 1)
     resumed_choice = compiling.resume(extra.get("compile"))
     if resumed_choice and env.master:

@@ -575,3 +575,16 @@ def test_auto_keeps_the_sync_under_five_percent_and_says_when_capped():
     assert choose_sync_every(0.001, 4.0)[0] == 1
     h, why = choose_sync_every(sync_s=100.0, step_s=1.0)
     assert h == AUTO_MAX_H and "capped" in why and "of the wall time is the sync" in why
+
+
+def test_compile_auto_decides_on_nodes_of_two_ranks_and_one(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """--compile auto agrees on its timings among the ranks that step together. With local steps
+    those are a node's ranks, and a one-rank node has no node group: its agreement must not fall
+    through to every rank of the run, or nodes of two ranks and of one call different collectives."""
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, sync_every=4, sync_warmup_ratio=0,
+                       checkpoint_every=0, compile="auto", total_batch_size=384)
+    port, env = free_port(), node_env()
+    procs = [spawn_node(2, n, port, train_target(*flags), nproc=nproc, env=env) for n, nproc in enumerate((2, 1))]
+    out = assert_ok(collect(procs, 120))
+    assert re.search(r"rank 0/3\] compile off \(auto: eager [0-9.]+ s/step; the 8 steps left", out), out
+    assert max(losses(out)) == 12, out
