@@ -592,7 +592,10 @@ def load_states(cfg: TrainConfig, env: DistEnv, disks: Disks, step: int, marker:
             return state, state["loader"], f"resumed from checkpoint step {step} ({where}), {wrote}"
     saved = [load_rank_state(cfg.out_dir, step, r) for r in range(marker["world_size"])]
     state = dict(saved[min(env.rank, len(saved) - 1)])
-    state["extra"] = {k: v for k, v in saved[0]["extra"].items() if k != "rank_batch_sizes"}  # measured anew
+    # the work split is the ranks' own: kept where the same ranks merge only to step another way
+    # (local steps after the synchronous warm-up), measured anew for another layout
+    same_ranks = (marker["world_size"], marker["node_of_rank"]) == (now["world_size"], now["node_of_rank"])
+    state["extra"] = {k: v for k, v in saved[0]["extra"].items() if k != "rank_batch_sizes" or same_ranks}
     if "outer" in state["extra"] and not local_steps:
         return state, None, ""  # local steps continued synchronously: resume refuses it, naming both
     # the ranks whose optimizer this rank's continues: all of them (synchronous steps, or the local

@@ -625,6 +625,7 @@ def run(cfg: TrainConfig) -> int:
     warm = PhaseTimes()  # the synchronous warm-up's steps but this process's first (auto times its wire)
     # this process's steps but its first, until the measured work split is checked against them
     split_times = PhaseTimes() if cfg.rank_batch_sizes == "auto" and env.distributed and not split_settled else None
+    split_from = start_step + 2  # the first step they time: the one before allocates
     if start_step == 0 and env.distributed:
         check_parameters_agree(env, model, 0, watchdog)
     stopping = stop.agreed(step, watchdog)  # SIGTERM while the run was being set up
@@ -674,7 +675,7 @@ def run(cfg: TrainConfig) -> int:
         phase.add(t_compute, comm_wait, dt)
         if diloco is None and nodes is not None and step > start_step + 1:
             warm.add(t_compute, comm_wait, dt)
-        if split_times is not None and step > start_step + 1:
+        if split_times is not None and step >= split_from:
             split_times.add(t_compute, comm_wait, dt)
         train_loss = loss_sum.item() / accum
         progress = clock.lap(step, time.perf_counter(), schedule.every or 1)
@@ -719,8 +720,10 @@ def run(cfg: TrainConfig) -> int:
         if warmed_up and cfg.rank_batch_sizes == "auto":
             # the inner steps check the split again (and so does a resume from the warm-up's
             # checkpoint): each node now runs its optimizer on the whole model and none waits on the
-            # wire, so ranks that share a host's cores compute at other speeds than they did
-            split_times, split_settled = PhaseTimes(), False
+            # wire, so ranks that share a host's cores compute at other speeds than they did. The
+            # first inner step allocates the nodes' optimizers: both time from the second, so a
+            # resume re-splits at the step the uninterrupted run did
+            split_times, split_settled, split_from = PhaseTimes(), False, step + 2
         if env.distributed and (schedule.due(10, step) or last):
             said_speed = log_rank_timings(cfg, env, tracker, step, *timed, *phase.per_step(), watchdog,
                                           said_speed, local_steps=diloco is not None, last=last,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -408,10 +409,11 @@ def test_the_split_is_checked_again_when_the_local_steps_begin(tiny_data_dir, ti
     its optimizer on the whole model and none waits on the wire): node 0 is the slow one in the
     warm-up (steps 1-3), node 1 from step 4, each by far more than the machine's load does to
     milliseconds of compute. The warm-up's check leaves node 0 no more rows than node 1; the check
-    against the first inner steps (4-5) gives node 0 more at once, in the middle of the first inner
-    phase (H = 4: the outer sync at 7), which weighs each node by the rows it really did in it. The
-    warm-up's checkpoint saves the split as not yet settled (a resume from it checks again); the
-    last one saves the new split, settled."""
+    against the inner steps (5-6: the first one allocates the nodes' optimizers) gives node 0 more
+    at once, in the middle of the first inner phase (H = 4: the outer sync at 7), which weighs each
+    node by the rows it really did in it. The warm-up's checkpoint saves the split as not yet
+    settled; the last one saves the new split, settled. A resume from the warm-up's checkpoint
+    checks at the same step, comes to the same rows and repeats the losses."""
     port = free_port()
     env = {**node_env(), "SLOW_S": "0.5", "SLOW_RANK": "1", "SLOW_FROM": "4", "EARLY_RANK": "0", "EARLY_S": "0.5"}
     flags = [[SLOW_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=4,
@@ -420,8 +422,8 @@ def test_the_split_is_checked_again_when_the_local_steps_begin(tiny_data_dir, ti
     out = assert_ok(collect([spawn_node(2, n, port, flags[n], env=env) for n in range(2)], 240))
     assert "synchronous warm-up done at step 3" in out, out
     checks = re.findall(r"work split checked against steps to (\d+): .* -> rows \[(\d+), (\d+)\]", out)
-    assert [step for step, *_ in checks] == ["3", "5"], out
-    moved = re.search(r"work split checked against steps to 5: rank 0@\S+ \d+ ms/row, rank 1@\S+ \d+ ms/row -> "
+    assert [step for step, *_ in checks] == ["3", "6"], out
+    moved = re.search(r"work split checked against steps to 6: rank 0@\S+ \d+ ms/row, rank 1@\S+ \d+ ms/row -> "
                       r"rows \[(\d+), (\d+)\] instead of", out)
     assert moved and int(moved.group(1)) > int(moved.group(2)), out
     assert f"rows [{moved.group(1)}, {moved.group(2)}] x 64 tokens" in out, out
@@ -433,6 +435,15 @@ def test_the_split_is_checked_again_when_the_local_steps_begin(tiny_data_dir, ti
     final = torch.load(tmp_path / "n0" / "checkpoints" / "step_000012" / "rank0.pt", weights_only=False)
     assert final["extra"]["split_settled"] is True
     assert final["extra"]["rank_batch_sizes"] == [int(moved.group(1)), int(moved.group(2))]
+    for node in range(2):
+        shutil.rmtree(tmp_path / f"n{node}" / "checkpoints" / "step_000012")
+    again = assert_ok(collect([spawn_node(2, n, port, flags[n], env=env)
+                               for n in range(2)], 240))
+    assert "resumed step 3" in again, again
+    assert re.search(rf"work split checked against steps to 6: .* -> rows \[{moved.group(1)}, {moved.group(2)}\] "
+                     r"instead of", again), again
+    for step, loss in losses(again).items():
+        assert loss == pytest.approx(losses(out)[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted"
 
 
 def test_the_speed_verdict_waits_for_the_local_steps_after_the_warm_up(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
