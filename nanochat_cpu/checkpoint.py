@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from .data import row_group_pairs
 from .dataloader import carry_over_position
-from .dist import EXIT_CONFIG, DistEnv, Watchdog, fail, log
+from .dist import EXIT_CONFIG, DistEnv, Watchdog, agree_to_fail, fail, log
 from .optim import merge_optimizer_states
 from .sync_diloco import merge_outer_states
 
@@ -275,7 +275,12 @@ def fail_together(env: DistEnv, disks: Disks, watchdog: Watchdog, what: str, ste
         if p:
             by_problem.setdefault(p, []).extend([f"rank {r}@{env.hosts[r]}"] if env.distributed else [])
     if by_problem:
-        fail(env, EXIT_CONFIG, " | ".join(f"{', '.join(who)}: {p}" if who else p for p, who in by_problem.items()))
+        msg = " | ".join(f"{', '.join(who)}: {p}" if who else p for p, who in by_problem.items())
+        if env.distributed:  # no rank leaves before every rank knows why: a peer's exit reads as the cause
+            agree_to_fail(EXIT_CONFIG, msg)
+            with watchdog.phase(f"barrier before stopping at {what} step {step}", step):
+                dist.barrier(group=disks.group)
+        fail(env, EXIT_CONFIG, msg)
 
 
 def on_cpu(obj):

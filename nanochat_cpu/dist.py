@@ -56,8 +56,23 @@ def log(env: DistEnv | None, msg: str) -> None:
     sys.stdout.flush()
 
 
+_leaving = threading.Lock()  # one thread of a rank reports its fatal error; any other waits for the exit
+_agreed: tuple[int, str] | None = None  # a fatal error every rank has learnt, about to be reported
+
+
+def agree_to_fail(code: int, msg: str) -> None:
+    """The ranks have agreed to stop with `msg` (checkpoint.fail_together). A thread of this rank
+    that meets a peer's exit first (the loop's collective, while a checkpoint's thread agreed)
+    reports this instead: the cause, and the code that keeps systemd from restarting into it."""
+    global _agreed
+    _agreed = (code, msg)
+
+
 def fail(env: DistEnv | None, code: int, msg: str) -> None:
     """Log and leave at once: a rank must never block in teardown after a fatal error."""
+    _leaving.acquire()  # never released: the process ends here
+    if _agreed is not None:
+        code, msg = _agreed
     log(env, "FATAL: " + msg)
     sys.stdout.flush()
     sys.stderr.flush()

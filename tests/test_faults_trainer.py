@@ -210,6 +210,26 @@ def test_disk_full_on_one_node_stops_every_rank_naming_it(tiny_data_dir, tiny_to
         assert checkpoint.complete_steps(str(tmp_path / f"node{rank}")) == [4]
     assert time.monotonic() - t0 < 120
 
+def test_disk_full_while_a_checkpoint_crosses_in_the_background_stops_every_rank_naming_it(tiny_data_dir,
+                                                                                          tiny_tokenizer_dir,
+                                                                                          tmp_path):
+    """With local steps checkpoint 8 is written by a thread of each rank while the inner steps go on.
+    Rank 1's disk fills up during it: every rank still exits 2 naming rank 1 and its disk, not 4 as
+    for a peer lost (the loop's own collectives meet rank 1's exit), and nothing is sealed past 4."""
+    port = free_port()
+    env = {**node_env(), "FAULT_RANK": "1", "FAULT_STEP": "8", "FAULT_FILE": "rank1.pt", "FAULT_MODE": "enospc"}
+    nodes = [spawn_node(2, rank, port, [FAULT_TRAIN, *tiny_flags(
+        tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"node{rank}", sync_every=2, sync_warmup_ratio=0,
+        num_iterations=40)], env=env) for rank in range(2)]
+    results = [finish(p, timeout=180) for p in nodes]
+    for rank, (code, out, _) in enumerate(results):
+        assert "checkpoint step 8 taken: it reaches every disk in the background" in out, out
+        assert code == config_exit(), out
+        assert "FATAL: rank 1@" in out and "cannot write checkpoint step 8" in out, out
+        assert "No space left on device" in out and "newest complete: 4" in out, out
+        assert checkpoint.complete_steps(str(tmp_path / f"node{rank}")) == [4]
+
+
 def test_a_checkpoint_that_takes_longer_than_the_collective_timeout_to_cross_still_lands(tiny_data_dir,
                                                                                           tiny_tokenizer_dir,
                                                                                           tmp_path):
