@@ -395,9 +395,9 @@ def take_snapshot(env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, loader
 
 
 def write_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, snap: Snapshot, watchdog: Watchdog,
-                     how: str = "") -> None:
+                     how: str = "") -> float:
     """Every rank's state to every disk, then sealed on every disk once all of them hold it;
-    collective. `how` ends the log line (the background's note)."""
+    collective. `how` ends the log line (the background's note). Returns the seconds it took."""
     t0, step, extra = time.perf_counter(), snap.step, snap.extra
     # every disk gets every rank's state: a node that is wiped, added or alone can still resume
     rank_files, crossed = gather_states(env, disks, snap.rank_state, watchdog, step)
@@ -424,14 +424,16 @@ def write_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, snap: Snapsho
                                                         if "auto_choice" in extra else {})}
         mark_complete(cfg.out_dir, step, {**disks.layout(env.hosts or [env.host]), **sampling, **stepping},
                       cfg.keep_checkpoints)
-    log(env, f"checkpoint step {step} saved to {step_dir(cfg.out_dir, step)} "
-             f"in {time.perf_counter() - t0:.2f}s{crossed}{how}")
+    took = time.perf_counter() - t0
+    log(env, f"checkpoint step {step} saved to {step_dir(cfg.out_dir, step)} in {took:.2f}s{crossed}{how}")
+    return took
 
 
 def save_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW,
-                    loader: TokenLoader, step: int, watchdog: Watchdog, extra: dict) -> None:
-    """A checkpoint written while every rank waits for it."""
-    write_checkpoint(cfg, env, disks, take_snapshot(env, disks, model, opt, loader, step, extra, False), watchdog)
+                    loader: TokenLoader, step: int, watchdog: Watchdog, extra: dict) -> float:
+    """A checkpoint written while every rank waits for it; returns the seconds it took."""
+    snap = take_snapshot(env, disks, model, opt, loader, step, extra, False)
+    return write_checkpoint(cfg, env, disks, snap, watchdog)
 
 
 START_AFRESH = "start afresh with another --run-name or --out-dir"

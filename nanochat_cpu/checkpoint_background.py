@@ -52,6 +52,7 @@ class BackgroundCheckpoints:
         self.watchdog = Watchdog(env, watchdog.bound_s)  # a phase of its own: the loop's watchdog keeps the loop's
         self.thread: threading.Thread | None = None
         self.writing: int | None = None  # the step being written
+        self.took: tuple[int, float] | None = None  # the last one written: its step and seconds
 
     def start(self, snap: Snapshot) -> None:
         """Write `snap` while the loop goes on (the one before it first)."""
@@ -65,8 +66,8 @@ class BackgroundCheckpoints:
 
     def _write(self, snap: Snapshot, t0: float) -> None:
         try:
-            write_checkpoint(self.cfg, self.env, self.disks, snap, self.watchdog,
-                             how=", in the background of the inner steps")
+            self.took = snap.step, write_checkpoint(self.cfg, self.env, self.disks, snap, self.watchdog,
+                                                    how=", in the background of the inner steps")
         except BaseException as exc:  # noqa: BLE001 - a thread's error would otherwise only be printed
             fail(self.env, EXIT_COLLECTIVE, f"checkpoint step {snap.step}, written in the background, failed after "
                                             f"{time.perf_counter() - t0:.1f}s: {type(exc).__name__}: {exc}. Exiting "

@@ -12,7 +12,10 @@ stops the run before its first step (that all-reduce is waited for).
 
 from __future__ import annotations
 
+import math
+import os
 import signal
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -56,3 +59,50 @@ class GracefulStop:
             with watchdog.phase("all_reduce stop flag", step):
                 self.pending.wait()
             self.pending = None
+
+
+# ---- whether a stop still fits the time it is given -------------------------------------------------
+
+TORCHRUN_SHUTDOWN_S = 30.0  # torchrun's own default, where TORCH_ELASTIC_SHUTDOWN_TIMEOUT is unset
+
+
+def shutdown_budget_s() -> float | None:
+    """Seconds torchrun gives the ranks after SIGTERM before it kills them (the unit sets it from
+    trainer_graceful_stop_sec); None for a process torchrun did not start: nothing kills it."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return None
+    return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", TORCHRUN_SHUTDOWN_S))
+
+
+@dataclass
+class StopBudget:
+    """A stop finishes the step it arrives in (with local steps: and an outer sync), waits for a
+    checkpoint still crossing in the background, then writes its own with every rank waiting. On a
+    slow link that can take longer than torchrun waits, and past it the ranks are killed mid-way:
+    the run then resumes from its last sealed checkpoint and loses the steps since. Said once, when
+    the checkpoints measured so far show it, with the setting that would hold it."""
+
+    budget_s: float | None
+    said: bool = False
+
+    def check(self, step: int, step_s: float, took: list[tuple[int, float] | None], crossing: bool) -> str | None:
+        """The warning to log, or None. step_s: the last boundary step's wall (its outer sync in it);
+        took: the last checkpoints' (step, seconds to reach every disk) where known; crossing:
+        checkpoints cross in the background, so a stop may meet one on its way."""
+        known = [t for t in took if t is not None]
+        if self.budget_s is None or self.said or not known:
+            return None
+        checkpoint_step, checkpoint_s = max(known, key=lambda t: t[1])
+        checkpoints = 2 if crossing else 1
+        need = step_s + checkpoints * checkpoint_s
+        if need <= self.budget_s:
+            return None
+        self.said = True
+        graceful = math.ceil(need * 1.5 / 60) * 60  # room for a slower link tomorrow, in whole minutes
+        met = "the checkpoint still crossing, then its own" if crossing else "then its checkpoint"
+        return (f"WARNING at step {step}: a stop (systemctl stop, stop.yml, a restart) would take ~{need:.0f} s here: "
+                f"the step it arrives in ({step_s:.0f} s), {met} ({checkpoint_s:.0f} s each, as checkpoint step "
+                f"{checkpoint_step} took), more than the {self.budget_s:.0f} s torchrun gives the ranks after SIGTERM "
+                f"(TORCH_ELASTIC_SHUTDOWN_TIMEOUT). Past it they are killed mid-checkpoint and the run resumes from "
+                f"its last sealed checkpoint, losing the steps since. Fix: ansible-playbook site.yml -e "
+                f"trainer_graceful_stop_sec={graceful} -e trainer_stop_timeout_sec={graceful + 30}")

@@ -65,7 +65,7 @@ from .optim import MuonAdamW, build_optimizer
 from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib, reuse_freed_memory, sync
 from .progress import Progress, StepClock
 from .shm import make_arena
-from .stop import GracefulStop
+from .stop import GracefulStop, StopBudget, shutdown_budget_s
 from .sync_diloco import (
     AUTO_FIRST_PHASE,
     AUTO_TIMED_STEPS,
@@ -551,6 +551,8 @@ def run(cfg: TrainConfig) -> int:
         fail(None, EXIT_CONFIG, str(exc))
     watchdog = Watchdog(env, cfg.collective_timeout + WATCHDOG_GRACE_S)
     stop = GracefulStop(env)
+    stop_budget = StopBudget(shutdown_budget_s())
+    saved: tuple[int, float] | None = None  # the last checkpoint every rank waited for: its step, seconds
     problems, lacking_bf16, unmeasured = gather_host_facts(env, watchdog, problems, cpu_has_native_bf16(),
                                                            compile_mode)
     if compile_mode == "auto" and unmeasured:  # the measurement is a collective: every rank or none
@@ -755,8 +757,13 @@ def run(cfg: TrainConfig) -> int:
                 background.start(checkpoint.take_snapshot(env, disks, model, opt, loader, step, extra,
                                                           copy_weights=True))
             else:
-                checkpoint.save_checkpoint(cfg, env, disks, model, opt, loader, step, watchdog, extra)
+                saved = step, checkpoint.save_checkpoint(cfg, env, disks, model, opt, loader, step, watchdog, extra)
             tracker.flush()
+        if not (last or stopping):
+            warning = stop_budget.check(step, dt, [saved, background.took if background else None],
+                                        crossing=background is not None and diloco is not None)
+            if warning and env.master:
+                log(env, warning)
         if stopping:
             break
         if warmed_up:

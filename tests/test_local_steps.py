@@ -328,8 +328,9 @@ def test_a_checkpoint_reaches_every_disk_while_the_inner_steps_go_on_and_a_kill_
     meanwhile, the next checkpoint waits for it (and says so), every disk ends with the same
     bytes. A node killed while checkpoint 8 is crossing leaves it unsealed everywhere, and the
     run resumes from checkpoint 4 and repeats the uninterrupted run's losses: nothing is lost
-    that a checkpoint had sealed, nothing unsealed is resumed."""
-    env = {**node_env(), "CHUNK_BYTES": "8192", "ROUND_S": "0.02"}
+    that a checkpoint had sealed, nothing unsealed is resumed. torchrun's 5 s for a stop is less
+    than two such checkpoints: the run says so once, when it has timed one."""
+    env = {**node_env(), "CHUNK_BYTES": "8192", "ROUND_S": "0.02", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "5"}
 
     def start(run: str) -> list[subprocess.Popen]:
         port = free_port()
@@ -347,6 +348,10 @@ def test_a_checkpoint_reaches_every_disk_while_the_inner_steps_go_on_and_a_kill_
                      r"round\(s\), in the background of the inner steps", whole), whole
     assert re.search(r"checkpoint step 16 saved to \S+ in [0-9.]+s; [0-9.]+ MiB of 2 ranks' states in \d+ "
                      r"round\(s\)\n", whole), whole  # the last one while every rank waits
+    warnings = re.findall(r"WARNING at step (\d+): a stop .* would take ~(\d+) s here: .* the checkpoint still "
+                          r"crossing, then its own \((\d+) s each, as checkpoint step 4 took\), more than the 5 s "
+                          r"torchrun gives .* -e trainer_graceful_stop_sec=60 -e trainer_stop_timeout_sec=90", whole)
+    assert len(warnings) == 1 and warnings[0][0] == "8" and int(warnings[0][1]) >= 2 * int(warnings[0][2]), whole
     runs = [tmp_path / "a" / f"n{n}" for n in range(2)]
     for n in range(2):
         assert checkpoint.complete_steps(str(runs[n])) == [4, 8, 12, 16]

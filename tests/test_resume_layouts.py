@@ -19,6 +19,7 @@ import pytest
 
 from nanochat_cpu import checkpoint
 from nanochat_cpu.dist import EXIT_CONFIG, EXIT_STOPPED
+from nanochat_cpu.stop import StopBudget, shutdown_budget_s
 from tests.conftest import TINY_VOCAB
 from tests.test_train_runs import finish, losses, read_until, tiny_flags, train_target
 from tests.torchrun_helpers import SLOW_CHECKPOINT_TRAIN, SMALL_ROUNDS, free_port, kill_tree, node_env, spawn_node
@@ -151,6 +152,25 @@ def test_sigterm_on_one_node_stops_both_with_a_checkpoint_and_loses_no_step(tiny
     out = ok(run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, num_iterations=stop + 2)))
     assert f"resumed from checkpoint step {stop}" in out
     assert sorted(losses(out)) == [stop + 1, stop + 2]  # zero steps lost
+
+
+def test_a_stop_that_would_outlast_torchruns_wait_is_said_once_with_the_setting_that_holds_it(monkeypatch):
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    assert shutdown_budget_s() is None  # not under torchrun: nothing kills a stop
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "x")
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    assert shutdown_budget_s() == 30.0  # torchrun's default
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "270")
+    assert shutdown_budget_s() == 270.0
+    assert StopBudget(None).check(50, 30.0, [(50, 900.0)], crossing=True) is None
+    budget = StopBudget(270.0)
+    assert budget.check(50, 30.0, [None, None], crossing=True) is None  # nothing timed yet
+    assert budget.check(50, 30.0, [(50, 230.0)], crossing=False) is None  # 260 s: one checkpoint fits
+    # with local steps a stop may meet one crossing: 30 + 2 x 230 s; the slower of those known counts
+    line = budget.check(100, 30.0, [(50, 100.0), (100, 230.0)], crossing=True)
+    assert line is not None and "would take ~490 s" in line and "as checkpoint step 100 took" in line
+    assert "trainer_graceful_stop_sec=780 -e trainer_stop_timeout_sec=810" in line  # 1.5 x 490 s, whole minutes
+    assert budget.check(150, 30.0, [(150, 500.0)], crossing=True) is None  # said once
 
 
 def test_prune_keeps_what_it_sealed_and_never_touches_newer_checkpoints(tmp_path):
