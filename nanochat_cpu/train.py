@@ -502,6 +502,7 @@ class PhaseTimes:
     wait_s: float = 0.0
     wall_s: float = 0.0
     steps: int = 0
+    earlier: int = 0  # the phase's steps before a new split, not timed here: its waits spread over them too
 
     def add(self, compute_s: float, wait_s: float, wall_s: float) -> None:
         self.compute_s += compute_s
@@ -511,7 +512,8 @@ class PhaseTimes:
 
     def per_step(self) -> tuple[float, float, float]:
         n = max(1, self.steps)
-        return self.compute_s / n, self.wait_s / n, self.wall_s / n
+        wait = self.wait_s / (n + self.earlier)  # the outer sync: a cost of the phase's every step
+        return self.compute_s / n, wait, (self.wall_s - self.wait_s) / n + wait
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -698,7 +700,7 @@ def run(cfg: TrainConfig) -> int:
                 loader.batch_size = sizes[env.rank]  # it reads on from the same token: only the rows per call change
                 loss_scale = stepping_loss_scale(env, nodes if diloco is not None else None, sizes, accum)
                 if not boundary:  # the phase's timings so far were of the old split
-                    phase = PhaseTimes()
+                    phase = PhaseTimes(earlier=phase.steps)
                 compiling.restart_timing()
                 if diloco is None and nodes is not None and auto_choice is None and sync_every_steps(cfg) is None:
                     warm = PhaseTimes()  # auto times the wire at the new split

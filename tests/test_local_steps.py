@@ -27,7 +27,7 @@ from nanochat_cpu.sync_diloco import (
     keep_synchronous,
     warm_up_end,
 )
-from nanochat_cpu.train import auto_on_resume
+from nanochat_cpu.train import PhaseTimes, auto_on_resume
 from tests.local_steps_worker import OUTER_LR, OUTER_MOMENTUM
 from tests.test_train_runs import losses, read_until, tiny_flags, train_target
 from tests.torchrun_helpers import REPO, SLOW_CHECKPOINT_TRAIN, free_port, kill_tree, node_env, spawn_node
@@ -561,6 +561,22 @@ def test_an_outer_step_weighs_a_node_by_the_rows_it_did_when_the_split_changed_m
         diloco.count([1, 2], 4)
     assert diloco.phase_share() == 1 / 3  # a phase at one split: exactly node_token_share's
     assert diloco.phase_share() == 0.5  # nothing counted: the share it was built with
+
+
+def test_a_phase_re_split_midway_spreads_its_outer_sync_over_all_its_steps():
+    """H = 8, a new split after step 3: the timing line's compute is the new split's alone, but the
+    outer sync (4 s at the phase's last step) is a cost of all 8 steps, not of the 5 timed."""
+    phase = PhaseTimes()
+    for _ in range(3):
+        phase.add(2.0, 0.0, 2.0)
+    phase = PhaseTimes(earlier=phase.steps)
+    for wait in (0.0, 0.0, 0.0, 0.0, 4.0):
+        phase.add(1.0, wait, 1.0 + wait)
+    assert phase.per_step() == pytest.approx((1.0, 0.5, 1.5))
+    whole = PhaseTimes()
+    for wait in (0.0,) * 7 + (4.0,):
+        whole.add(1.0, wait, 1.0 + wait)
+    assert whole.per_step() == pytest.approx((1.0, 0.5, 1.5))  # as a phase that kept one split
 
 
 def test_auto_sets_the_first_inner_phase_from_the_warm_ups_wire_wait():
