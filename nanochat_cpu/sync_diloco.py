@@ -184,17 +184,22 @@ def keep_synchronous(wire_share: float | None) -> tuple[bool, str]:
     return False, f"{verdict}, over {AUTO_WIRE_SHARE:.0%}: local steps follow"
 
 
-def first_outer_phase(wire_s: float, work_s: float) -> tuple[int, str]:
+def first_outer_phase(wire_s: float, work_s: float, ranks_per_node: int = 1) -> tuple[int, str]:
     """auto, once it chose local steps from the warm-up: the inner steps before the first outer
-    sync, and why. A synchronous step sends what an outer sync sends (the others' slices of a
-    gradient, then of the parameters), so its wire wait `wire_s` against `work_s`, a step's work
-    but its waits, already gives the H choose_sync_every would take from an outer sync. The first
-    outer sync is timed all the same and sets H; this only spares a sync after AUTO_FIRST_PHASE
-    steps (on a slow link, a whole sync's wait; 10 Mbit/s at depth 8: ~110 s)."""
-    h, _ = choose_sync_every(wire_s, work_s)
+    sync, and why. A synchronous step of one rank per node sends what an outer sync sends (the
+    others' slices of a gradient, then of the parameters); a node of k ranks sends k ranks' slices
+    in it and one node's in an outer sync. So its wire wait `wire_s` / k (k: the most ranks on
+    a node, erring short) against `work_s`, a step's work but its waits, already gives the H
+    choose_sync_every would take from an outer sync. The first outer sync is timed all the same
+    and sets H; this only spares a sync after AUTO_FIRST_PHASE steps (on a slow link, a whole
+    sync's wait; 10 Mbit/s at depth 8: ~110 s)."""
+    sync_s = wire_s / ranks_per_node
+    h, _ = choose_sync_every(sync_s, work_s)
     h = max(AUTO_FIRST_PHASE, h)  # the phase's mean step is timed: a first inner step alone allocates
+    per = f", {ranks_per_node} ranks a node: an outer sync sends 1/{ranks_per_node} of it" if ranks_per_node > 1 \
+        else ", and an outer sync sends as much"
     return h, (f"the first outer sync after {h} inner steps (a synchronous step waited {wire_s:.2f} s on the "
-               f"wire against {work_s:.2f} s of work, and an outer sync sends as much); its own time sets H")
+               f"wire against {work_s:.2f} s of work{per}); its own time sets H")
 
 
 def warm_up_end(wire_s: float, local_step_s: float, num_iterations: int, planned: int, step: int) -> tuple[int, str]:

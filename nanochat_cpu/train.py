@@ -323,8 +323,8 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
     return diloco, schedule
 
 
-def choose_after_timed_steps(cfg: TrainConfig, env: DistEnv, warm: PhaseTimes, step: int, warm_until: int,
-                             watchdog: Watchdog) -> dict:
+def choose_after_timed_steps(cfg: TrainConfig, env: DistEnv, nodes: Nodes, warm: PhaseTimes, step: int,
+                             warm_until: int, watchdog: Watchdog) -> dict:
     """auto, after timing the synchronous warm-up's first steps: {"synchronous": whether every step
     stays synchronous, "why": ...}, and where local steps follow, "warm_until": the step the warm-up
     ends at, "asked_until": the end --sync-warmup-ratio asked for, and "first_phase": the inner
@@ -347,7 +347,7 @@ def choose_after_timed_steps(cfg: TrainConfig, env: DistEnv, warm: PhaseTimes, s
         choice["warm_until"], cap_why = warm_up_end(wire_s, work_s, cfg.num_iterations, warm_until, step)
         choice["asked_until"] = sync_warmup_steps(cfg)  # a restart that asks for fewer gets fewer
         log(env, f"sync-every auto: {cap_why}")
-        choice["first_phase"], first_why = first_outer_phase(wire_s, work_s)
+        choice["first_phase"], first_why = first_outer_phase(wire_s, work_s, max(map(len, nodes.ranks)))
         log(env, f"sync-every auto: {first_why}")
     return choice
 
@@ -715,7 +715,7 @@ def run(cfg: TrainConfig) -> int:
         auto_pending = diloco is None and nodes is not None and auto_choice is None and sync_every_steps(cfg) is None
         if auto_pending and (warm.steps >= AUTO_TIMED_STEPS or step == warm_until) and not last:
             # before the timing line: it says what follows
-            auto_choice = choose_after_timed_steps(cfg, env, warm, step, warm_until, watchdog)
+            auto_choice = choose_after_timed_steps(cfg, env, nodes, warm, step, warm_until, watchdog)
             if auto_choice["synchronous"]:
                 nodes, warm_until = None, 0
             else:
