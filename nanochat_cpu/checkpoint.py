@@ -599,10 +599,13 @@ def load_states(cfg: TrainConfig, env: DistEnv, disks: Disks, step: int, marker:
             return state, state["loader"], f"resumed from checkpoint step {step} ({where}), {wrote}"
     saved = [load_rank_state(cfg.out_dir, step, r) for r in range(marker["world_size"])]
     state = dict(saved[min(env.rank, len(saved) - 1)])
-    # the work split is the ranks' own: kept where the same ranks merge only to step another way
-    # (local steps after the synchronous warm-up), measured anew for another layout
-    same_ranks = (marker["world_size"], marker["node_of_rank"]) == (now["world_size"], now["node_of_rank"])
+    # the work split is the ranks' own: kept where the same ranks on the same hosts merge only to
+    # step another way (local steps after synchronous ones), measured anew for another layout; and
+    # checked again against the inner steps, whose speeds differ from synchronous steps'
+    same_ranks = all(marker.get(k) == now[k] for k in ("world_size", "node_of_rank", "hosts"))
     state["extra"] = {k: v for k, v in saved[0]["extra"].items() if k != "rank_batch_sizes" or same_ranks}
+    if local_steps and "outer" not in state["extra"]:
+        state["extra"]["split_settled"] = False
     if "outer" in state["extra"] and not local_steps:
         return state, None, ""  # local steps continued synchronously: resume refuses it, naming both
     # the ranks whose optimizer this rank's continues: all of them (synchronous steps, or the local

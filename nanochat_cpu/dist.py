@@ -71,12 +71,14 @@ def agree_to_fail(code: int, msg: str) -> None:
 def fail(env: DistEnv | None, code: int, msg: str) -> None:
     """Log and leave at once: a rank must never block in teardown after a fatal error."""
     _leaving.acquire()  # never released: the process ends here
-    if _agreed is not None:
-        code, msg = _agreed
-    log(env, "FATAL: " + msg)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    if _agreed is not None and _agreed[1] != msg:
+        code, msg = _agreed[0], f"{_agreed[1]} (and then: {msg})"
+    try:
+        log(env, "FATAL: " + msg)
+        sys.stdout.flush()
+        sys.stderr.flush()
+    finally:  # a closed stdout must not keep the rank alive
+        os._exit(code)
 
 
 WATCHDOG_GRACE_S = 30.0  # the watchdog exits a rank this long after --collective-timeout

@@ -76,9 +76,10 @@ def shutdown_budget_s() -> float | None:
 
 @dataclass
 class StopBudget:
-    """A stop finishes the step it arrives in (with local steps: and an outer sync), waits for a
-    checkpoint still crossing in the background, then writes its own with every rank waiting. On a
-    slow link that can take longer than torchrun waits, and past it the ranks are killed mid-way:
+    """A stop finishes the step it arrives in and the next (the ranks agree on it one step late; with
+    local steps an outer sync ends it), waits for a checkpoint still crossing in the background,
+    then writes its own with every rank waiting. On a slow link that can take longer than torchrun
+    waits, and past it the ranks are killed mid-way:
     the run then resumes from its last sealed checkpoint and loses the steps since. Said once, when
     the checkpoints measured so far show it, with the setting that would hold it."""
 
@@ -86,9 +87,9 @@ class StopBudget:
     said: bool = False
 
     def check(self, step: int, step_s: float, took: list[tuple[int, float] | None], crossing: bool) -> str | None:
-        """The warning to log, or None. step_s: the last boundary step's wall (its outer sync in it);
-        took: the last checkpoints' (step, seconds to reach every disk) where known; crossing:
-        checkpoints cross in the background, so a stop may meet one on its way."""
+        """The warning to log, or None. step_s: the steps a stop still runs (with local steps an outer
+        sync in them); took: the last checkpoints' (step, seconds to reach every disk) where known;
+        crossing: checkpoints cross in the background, so a stop may meet one on its way."""
         known = [t for t in took if t is not None]
         if self.budget_s is None or self.said or not known:
             return None
@@ -100,9 +101,9 @@ class StopBudget:
         self.said = True
         graceful = math.ceil(need * 1.5 / 60) * 60  # room for a slower link tomorrow, in whole minutes
         met = "the checkpoint still crossing, then its own" if crossing else "then its checkpoint"
-        return (f"WARNING at step {step}: a stop (systemctl stop, stop.yml, a restart) would take ~{need:.0f} s here: "
-                f"the step it arrives in ({step_s:.0f} s), {met} ({checkpoint_s:.0f} s each, as checkpoint step "
-                f"{checkpoint_step} took), more than the {self.budget_s:.0f} s torchrun gives the ranks after SIGTERM "
-                f"(TORCH_ELASTIC_SHUTDOWN_TIMEOUT). Past it they are killed mid-checkpoint and the run resumes from "
-                f"its last sealed checkpoint, losing the steps since. Fix: ansible-playbook site.yml -e "
-                f"trainer_graceful_stop_sec={graceful} -e trainer_stop_timeout_sec={graceful + 30}")
+        return (f"WARNING at step {step}: a stop (systemctl stop, stop.yml, a restart) would take ~{need:.0f} s "
+                f"here: the steps to the one it stops at ({step_s:.0f} s), {met} ({checkpoint_s:.0f} s each, as "
+                f"checkpoint step {checkpoint_step} took), more than the {self.budget_s:.0f} s torchrun gives the "
+                f"ranks after SIGTERM (TORCH_ELASTIC_SHUTDOWN_TIMEOUT). Past it they are killed mid-checkpoint and "
+                f"the run resumes from its last sealed checkpoint, losing the steps since. Fix: ansible-playbook "
+                f"site.yml -e trainer_graceful_stop_sec={graceful} -e trainer_stop_timeout_sec={graceful + 30}")

@@ -499,21 +499,28 @@ class PhaseTimes:
     """Seconds summed over the steps of an inner phase: the timing lines' per-step means."""
 
     compute_s: float = 0.0
-    wait_s: float = 0.0
-    wall_s: float = 0.0
+    wait_s: float = 0.0  # the steps' own waits, the outer sync's but
+    wall_s: float = 0.0  # the same
+    sync_s: float = 0.0  # the outer sync's wait: a cost of every step of the phase
     steps: int = 0
-    earlier: int = 0  # the phase's steps before a new split, not timed here: its waits spread over them too
+    earlier: int = 0  # the phase's steps before a new split, not timed here: the sync spreads over them too
 
-    def add(self, compute_s: float, wait_s: float, wall_s: float) -> None:
+    def add(self, compute_s: float, wait_s: float, wall_s: float, sync_s: float = 0.0) -> None:
+        """A step's seconds; `sync_s` of its wait and wall was the outer sync's."""
         self.compute_s += compute_s
-        self.wait_s += wait_s
-        self.wall_s += wall_s
+        self.wait_s += wait_s - sync_s
+        self.wall_s += wall_s - sync_s
+        self.sync_s += sync_s
         self.steps += 1
 
     def per_step(self) -> tuple[float, float, float]:
         n = max(1, self.steps)
-        wait = self.wait_s / (n + self.earlier)  # the outer sync: a cost of the phase's every step
-        return self.compute_s / n, wait, (self.wall_s - self.wait_s) / n + wait
+        sync = self.sync_s / (n + self.earlier)
+        return self.compute_s / n, self.wait_s / n + sync, self.wall_s / n + sync
+
+    def restarted(self) -> PhaseTimes:
+        """The same phase timed afresh from here (a new split): its steps so far count as earlier."""
+        return PhaseTimes(earlier=self.steps + self.earlier)
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -600,8 +607,10 @@ def run(cfg: TrainConfig) -> int:
     if env.master:
         log(env, f"batch: {cfg.total_batch_size:,} tokens/step = {accum} micro-steps x rows {sizes} x "
                  f"{cfg.max_seq_len} tokens")
-    # the ranks that step together agree on its timings: a node's with local steps (a one-rank node
-    # has no node group, and falling through to every rank's would mismatch the nodes' collectives)
+    # the ranks that step together at the start agree on its timings: every rank when the run starts
+    # synchronous (also where the decision comes in the inner steps after), a node's when it starts
+    # with local steps (a one-rank node has no group: falling through to every rank's would mismatch
+    # the nodes' collectives)
     compiling = CompileChoice(model, compile_mode, compile_why, cfg.num_iterations, opt.group, opt.world_size > 1,
                               ranks_on_host=env.hosts.count(env.host) if env.hosts else 1)
     resumed_choice = compiling.resume(extra.get("compile"))
@@ -672,11 +681,13 @@ def run(cfg: TrainConfig) -> int:
         # the nodes meet at an outer boundary; only there is every node at theta_global, so
         # checksums, evaluations and checkpoints wait for one (every step is one when synchronous)
         boundary = schedule.boundary(step)
+        outer_wait = 0.0
         if diloco is not None and boundary:
             outer = outer_sync(env, tracker, diloco, schedule, step, time.perf_counter() - t0, watchdog)
-            comm_wait += outer.wait_s
+            outer_wait = outer.wait_s
+            comm_wait += outer_wait
         dt = time.perf_counter() - t0
-        phase.add(t_compute, comm_wait, dt)
+        phase.add(t_compute, comm_wait, dt, outer_wait)
         if diloco is None and nodes is not None and step > start_step + 1:
             warm.add(t_compute, comm_wait, dt)
         if split_times is not None and step >= split_from:
@@ -700,7 +711,7 @@ def run(cfg: TrainConfig) -> int:
                 loader.batch_size = sizes[env.rank]  # it reads on from the same token: only the rows per call change
                 loss_scale = stepping_loss_scale(env, nodes if diloco is not None else None, sizes, accum)
                 if not boundary:  # the phase's timings so far were of the old split
-                    phase = PhaseTimes(earlier=phase.steps)
+                    phase = phase.restarted()
                 compiling.restart_timing()
                 if diloco is None and nodes is not None and auto_choice is None and sync_every_steps(cfg) is None:
                     warm = PhaseTimes()  # auto times the wire at the new split
@@ -762,7 +773,8 @@ def run(cfg: TrainConfig) -> int:
                 saved = step, checkpoint.save_checkpoint(cfg, env, disks, model, opt, loader, step, watchdog, extra)
             tracker.flush()
         if not (last or stopping):
-            warning = stop_budget.check(step, dt, [saved, background.took if background else None],
+            # the stop is agreed one step after the signal: a step, then one that ends with the outer sync
+            warning = stop_budget.check(step, 2 * dt - outer_wait, [saved, background.took if background else None],
                                         crossing=background is not None and diloco is not None)
             if warning and env.master:
                 log(env, warning)
@@ -777,8 +789,8 @@ def run(cfg: TrainConfig) -> int:
     # ---- the end ---------------------------------------------------------------------------------
     stop.close(step, watchdog)
     if step < cfg.num_iterations:
-        saved = "with its checkpoint" if step > start_step else "before its first step, nothing new to save"
-        log(env, f"stopped by SIGTERM after step {step} of {cfg.num_iterations}, {saved}: the run resumes there "
+        kept = "with its checkpoint" if step > start_step else "before its first step, nothing new to save"
+        log(env, f"stopped by SIGTERM after step {step} of {cfg.num_iterations}, {kept}: the run resumes there "
                  f"when it is started again (train.yml), losing no step; peak RSS {peak_rss_mib():.0f} MiB")
         tracker.finish("KILLED")
         code = EXIT_STOPPED

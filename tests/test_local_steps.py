@@ -262,6 +262,28 @@ def test_auto_times_a_synchronous_checkpoint_it_never_decided_on_before_choosing
         assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs synchronous {full[step]}"
 
 
+def test_a_synchronous_checkpoint_resumed_with_local_steps_keeps_its_split_and_checks_it_again(
+        tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """A run of synchronous steps whose split was measured and checked (settled), restarted at its
+    checkpoint 4 with --sync-every 4: the same ranks keep the split, but the inner steps run at
+    other speeds than synchronous ones (each node's optimizer on the whole model, no wire), so
+    the split is checked again against them (steps 6-7: the first allocates)."""
+    def nodes_out(every: int, iterations: int) -> str:
+        port = free_port()
+        flags = [train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=every,
+                                          sync_warmup_ratio=0, rank_batch_sizes="auto", num_iterations=iterations,
+                                          checkpoint_every=4)) for node in range(2)]
+        return assert_ok(collect([spawn_node(2, n, port, flags[n]) for n in range(2)], 240))
+
+    first = nodes_out(1, 4)
+    split = re.search(r"work split checked against steps to 3: .* -> rows \[(\d+), (\d+)\]", first)
+    assert split, first
+    sizes = f"[{split.group(1)}, {split.group(2)}]"
+    second = nodes_out(4, 12)
+    assert "resumed step 4" in second and f"work split from the checkpoint: {sizes}" in second, second
+    assert re.search(r"work split checked against steps to 7: ", second), second
+
+
 def test_auto_ends_the_warm_up_early_on_a_slow_wire_and_a_resume_keeps_that_end(tiny_data_dir, tiny_tokenizer_dir,
                                                                                   tmp_path):
     """Every synchronous step waits 0.1 s more on the wire (slow_compute_train's WIRE_S) and node 1
@@ -564,19 +586,22 @@ def test_an_outer_step_weighs_a_node_by_the_rows_it_did_when_the_split_changed_m
 
 
 def test_a_phase_re_split_midway_spreads_its_outer_sync_over_all_its_steps():
-    """H = 8, a new split after step 3: the timing line's compute is the new split's alone, but the
-    outer sync (4 s at the phase's last step) is a cost of all 8 steps, not of the 5 timed."""
+    """H = 8, new splits after steps 2 and 3: the timing line's compute and the steps' own waits are
+    the last split's alone, but the outer sync (4 s at the phase's last step) is a cost of all 8
+    steps, not of the 5 timed."""
     phase = PhaseTimes()
-    for _ in range(3):
+    for _ in range(2):
         phase.add(2.0, 0.0, 2.0)
-    phase = PhaseTimes(earlier=phase.steps)
-    for wait in (0.0, 0.0, 0.0, 0.0, 4.0):
-        phase.add(1.0, wait, 1.0 + wait)
-    assert phase.per_step() == pytest.approx((1.0, 0.5, 1.5))
+    phase = phase.restarted()  # two re-splits in one phase: the steps before both count
+    phase.add(2.0, 0.0, 2.0)
+    phase = phase.restarted()
+    for sync in (0.0, 0.0, 0.0, 0.0, 4.0):  # each step also waits 0.1 s inside its node
+        phase.add(1.0, 0.1 + sync, 1.1 + sync, sync)
+    assert phase.per_step() == pytest.approx((1.0, 0.6, 1.6))
     whole = PhaseTimes()
-    for wait in (0.0,) * 7 + (4.0,):
-        whole.add(1.0, wait, 1.0 + wait)
-    assert whole.per_step() == pytest.approx((1.0, 0.5, 1.5))  # as a phase that kept one split
+    for sync in (0.0,) * 7 + (4.0,):
+        whole.add(1.0, 0.1 + sync, 1.1 + sync, sync)
+    assert whole.per_step() == pytest.approx((1.0, 0.6, 1.6))  # as a phase that kept one split
 
 
 def test_auto_sets_the_first_inner_phase_from_the_warm_ups_wire_wait():
