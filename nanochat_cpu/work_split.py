@@ -51,11 +51,8 @@ def balanced_split(row_seconds: list[float], step_rows: int, configured: int, fi
     takes 3 row-times of 6: 0.5 per row) where 5,2,5 of 12 rows takes 0.42. So every micro-step
     size from world_size to 2 x the configured one (device_batch_size x world_size; the cap bounds
     a rank's activation memory) that divides the step's rows is tried; the split whose slowest rank
-    spends the least time per global row wins, the configured size when it is within 3% of it,
-    else the size within 3% nearest to it, the larger of two as near (fewer micro-steps).
-    A micro-batch's fixed cost (`fixed_rows` rows' time on every rank) favours fewer, larger ones;
-    measured on a busy host it can come out as none, and then the larger of two sizes as near
-    still spares passes of one or two rows (10-20% slower a row on the local cluster).
+    spends the least time per global row wins, the configured size when it is within 3% of it.
+    A micro-batch's fixed cost (`fixed_rows` rows' time on every rank) favours fewer, larger ones.
     """
     world = len(row_seconds)
     options = []
@@ -64,7 +61,7 @@ def balanced_split(row_seconds: list[float], step_rows: int, configured: int, fi
             sizes = min_max_split(row_seconds, rows, fixed_rows)
             options.append((slowest_rank_s(sizes, row_seconds, fixed_rows) / rows, rows, sizes))
     best = min(cost for cost, _, _ in options)
-    return min((o for o in options if o[0] <= best * 1.03), key=lambda o: (abs(o[1] - configured), -o[1]))[2]
+    return min((o for o in options if o[0] <= best * 1.03), key=lambda o: (abs(o[1] - configured), o[1]))[2]
 
 
 CALIBRATION_SECONDS = 1.5

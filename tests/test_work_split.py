@@ -31,12 +31,3 @@ def test_a_fixed_cost_favours_fewer_larger_micro_batches():
     # two micro-steps of [1, 1] pay the fixed cost twice; one of [2, 2] once (the cap is 2 x 2 rows)
     assert balanced_split([1.0, 1.0], 4, 2, fixed_rows=0.0) == [1, 1]
     assert balanced_split([1.0, 1.0], 4, 2, fixed_rows=1.0) == [2, 2]
-
-
-def test_of_two_sizes_as_near_the_configured_one_the_larger_wins():
-    """The demo's calibration on a busy host (docs/BENCHMARKS.md, 2026-12-04 fourth): node0 255 ms
-    for 2 rows, the 0.5-CPU nodes 664 and 656, and no fixed cost seen. 4, 8 and 12 rows a
-    micro-step all come within 3%; 4 and 8 are as near the configured 6: 8, three micro-steps of
-    [5, 1, 2], not six of [2, 1, 1], which ran 10-20% slower a row there."""
-    speeds = [0.255 / 2, 0.664 / 2, 0.656 / 2]
-    assert balanced_split(speeds, 24, 6) == [5, 1, 2]
