@@ -79,9 +79,9 @@ class StopBudget:
     """A stop finishes the step it arrives in and the next (the ranks agree on it one step late; with
     local steps an outer sync ends it), waits for a checkpoint still crossing in the background,
     then writes its own with every rank waiting. On a slow link that can take longer than torchrun
-    waits, and past it the ranks are killed mid-way:
-    the run then resumes from its last sealed checkpoint and loses the steps since. Said once, when
-    the checkpoints measured so far show it, with the setting that would hold it."""
+    waits, and past it the ranks are killed mid-way: the run then resumes from its last sealed
+    checkpoint and loses the steps since. Said once, when the checkpoints measured so far show it,
+    with the setting that would hold it."""
 
     budget_s: float | None
     said: bool = False
