@@ -403,9 +403,12 @@ def write_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, snap: Snapsho
     rank_files, crossed = gather_states(env, disks, snap.rank_state, watchdog, step)
     snap.rank_state = b""
     error = None
+    stalled = (f"Fix: look at the disk under {cfg.out_dir} on {env.host} (`dmesg`, its mount); the unit restarts "
+               f"and resumes from the newest sealed checkpoint")
     if disks.writer(env.rank):
         try:
-            write_step_files(cfg.out_dir, step, snap.model_state, rank_files)
+            with watchdog.disk(f"writing checkpoint step {step} to {step_dir(cfg.out_dir, step)}", step, stalled):
+                write_step_files(cfg.out_dir, step, snap.model_state, rank_files)
         except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
             done = complete_steps(cfg.out_dir)
             error = (f"cannot write checkpoint step {step} under {cfg.out_dir}: {type(exc).__name__}: {exc}. "
@@ -422,8 +425,9 @@ def write_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, snap: Snapsho
         # what resume must know before it reads a file: how the run steps, and what auto chose
         stepping = {"local_steps": "outer" in extra, **({"auto_choice": extra["auto_choice"]}
                                                         if "auto_choice" in extra else {})}
-        mark_complete(cfg.out_dir, step, {**disks.layout(env.hosts or [env.host]), **sampling, **stepping},
-                      cfg.keep_checkpoints)
+        with watchdog.disk(f"sealing checkpoint step {step} in {step_dir(cfg.out_dir, step)}", step, stalled):
+            mark_complete(cfg.out_dir, step, {**disks.layout(env.hosts or [env.host]), **sampling, **stepping},
+                          cfg.keep_checkpoints)
     took = time.perf_counter() - t0
     log(env, f"checkpoint step {step} saved to {step_dir(cfg.out_dir, step)} in {took:.2f}s{crossed}{how}")
     return took

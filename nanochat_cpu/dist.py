@@ -129,26 +129,41 @@ class Watchdog:
     The training loop marks phases (`with watchdog.phase("reduce-scatter grads", step)`); a
     daemon thread checks the current phase once a second. Past the bound it logs which
     collective, which step and which peers, and exits non-zero so systemd can restart the unit.
+    A checkpoint's writes to the local disk are marked too (`disk`): a dying disk or a hung
+    network mount blocks a write for ever, with no timeout of its own, also in a one-process run.
     """
 
     def __init__(self, env: DistEnv, bound_s: float):
         self.env, self.bound_s = env, bound_s
-        self._phase: tuple[str, int, float] | None = None
+        self._phase: tuple[str, int, float, str | None] | None = None  # what, step, since, a disk's fix
         self._lock = threading.Lock()
-        if env.distributed:
-            threading.Thread(target=self._run, name="collective-watchdog", daemon=True).start()
+        threading.Thread(target=self._run, name="collective-watchdog", daemon=True).start()
 
     @contextlib.contextmanager
     def phase(self, what: str, step: int):
+        with self._marked(what, step, None):
+            try:
+                yield
+            except Exception as exc:  # noqa: BLE001 - a collective raised: peer died, reset, timeout
+                fail(self.env, EXIT_COLLECTIVE,
+                     f"collective '{what}' at step {step} failed after "
+                     f"{time.monotonic() - self._started():.1f}s: {type(exc).__name__}: {exc}. "
+                     f"Peers: {self.env.peers()}. Exiting so the unit restarts and resumes from the last "
+                     f"checkpoint.")
+
+    @contextlib.contextmanager
+    def disk(self, what: str, step: int, fix: str):
+        """Local writes that may never return: past the bound, `what` and `fix` are said and the rank
+        exits. Their errors are the caller's (a full disk is reported as such, not as a stall)."""
+        with self._marked(what, step, fix):
+            yield
+
+    @contextlib.contextmanager
+    def _marked(self, what: str, step: int, fix: str | None):
         with self._lock:
-            self._phase = (what, step, time.monotonic())
+            self._phase = (what, step, time.monotonic(), fix)
         try:
             yield
-        except Exception as exc:  # noqa: BLE001 - a collective raised: peer died, reset, timeout
-            fail(self.env, EXIT_COLLECTIVE,
-                 f"collective '{what}' at step {step} failed after "
-                 f"{time.monotonic() - self._started():.1f}s: {type(exc).__name__}: {exc}. "
-                 f"Peers: {self.env.peers()}. Exiting so the unit restarts and resumes from the last checkpoint.")
         finally:
             with self._lock:
                 self._phase = None
@@ -162,12 +177,16 @@ class Watchdog:
             time.sleep(1.0)
             with self._lock:
                 current = self._phase
-            if current and time.monotonic() - current[2] > self.bound_s:
-                what, step, t0 = current
-                fail(self.env, EXIT_COLLECTIVE,
-                     f"stuck {time.monotonic() - t0:.0f}s (bound {self.bound_s:.0f}s, --collective-timeout) in "
-                     f"collective '{what}' at step {step}; waiting on peers: {self.env.peers()}. "
-                     f"A peer died or the network dropped. Exiting so the unit restarts and resumes.")
+            if not current or time.monotonic() - current[2] <= self.bound_s:
+                continue
+            what, step, t0, fix = current
+            stuck = f"stuck {time.monotonic() - t0:.0f}s (bound {self.bound_s:.0f}s, --collective-timeout)"
+            if fix is not None:
+                fail(self.env, EXIT_COLLECTIVE, f"{stuck} {what} at step {step} on {self.env.host}: the disk "
+                                                f"does not answer. {fix}")
+            fail(self.env, EXIT_COLLECTIVE,
+                 f"{stuck} in collective '{what}' at step {step}; waiting on peers: {self.env.peers()}. "
+                 f"A peer died or the network dropped. Exiting so the unit restarts and resumes.")
 
 
 @torch.no_grad()

@@ -6,7 +6,8 @@ When rank FAULT_RANK writes FAULT_FILE of checkpoint step FAULT_STEP (model.pt t
 atomic_torch_save, a rank's file through atomic_write_bytes):
   kill    half of the file's bytes reach its temporary file, then the process SIGKILLs itself:
           a crash or power loss in the middle of a checkpoint, at a known point;
-  enospc  the real write path runs and the disk "fills up" half way (OSError ENOSPC).
+  enospc  the real write path runs and the disk "fills up" half way (OSError ENOSPC);
+  hang    half of the bytes, then the write never returns, as on a dying disk or a hung mount.
 Everything else is the real trainer.
 """
 
@@ -14,6 +15,7 @@ import errno
 import io
 import os
 import signal
+import time
 
 import torch
 
@@ -44,6 +46,12 @@ def _enospc() -> None:
     raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
 
+def _hang() -> None:
+    print(f"FAULT: the disk stops answering while writing {_target}", flush=True)
+    time.sleep(3600)
+
+
+_then = {"kill": _kill, "enospc": _enospc, "hang": _hang}[_mode]
 _real_torch_save = torch.save
 
 
@@ -55,8 +63,7 @@ def sabotaged_save(obj, path: str) -> None:
     """model.pt: torch.save's output cut half way."""
     if not _is_target(path):
         return _real_save(obj, path)
-    then = _kill if _mode == "kill" else _enospc
-    torch.save = lambda o, f: _half_then(o, f, then)  # the real atomic_torch_save around it
+    torch.save = lambda o, f: _half_then(o, f, _then)  # the real atomic_torch_save around it
     try:
         return _real_save(obj, path)
     finally:
@@ -89,8 +96,7 @@ def sabotaged_write_bytes(path: str, data) -> None:
     """rank{r}.pt, written as the bytes the rank sent: the real atomic_write_bytes, its file cut half way."""
     if not _is_target(path):
         return _real_write_bytes(path, data)
-    then = _kill if _mode == "kill" else _enospc
-    checkpoint.open = lambda name, mode: _HalfFile(open(name, mode), then)  # shadows the builtin there
+    checkpoint.open = lambda name, mode: _HalfFile(open(name, mode), _then)  # shadows the builtin there
     try:
         return _real_write_bytes(path, data)
     finally:

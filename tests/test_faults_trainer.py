@@ -230,6 +230,45 @@ def test_disk_full_while_a_checkpoint_crosses_in_the_background_stops_every_rank
         assert checkpoint.complete_steps(str(tmp_path / f"node{rank}")) == [4]
 
 
+def test_a_disk_that_stops_answering_in_a_checkpoint_is_named_within_the_watchdogs_bound(tiny_data_dir,
+                                                                                        tiny_tokenizer_dir,
+                                                                                        tmp_path):
+    """Rank 1's write of checkpoint 8 never returns (a dying disk, a hung network mount: no error,
+    no timeout of the write's own). Its watchdog names the write, the host and what to look at
+    once --collective-timeout 5 + 30 s have passed, and exits 4 (the unit restarts and resumes);
+    rank 0, waiting for rank 1's verdict on its write, exits too. Nothing past 4 is sealed."""
+    port = free_port()
+    env = {**node_env(), "FAULT_RANK": "1", "FAULT_STEP": "8", "FAULT_FILE": "rank1.pt", "FAULT_MODE": "hang"}
+    nodes = [spawn_node(2, rank, port, [FAULT_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir,
+                                                                 tmp_path / f"node{rank}", collective_timeout=5)],
+                        env=env) for rank in range(2)]
+    t0 = time.monotonic()
+    (code0, out0, _), (code1, out1, _) = [finish(p, timeout=180) for p in nodes]
+    assert time.monotonic() - t0 < 120
+    assert "FAULT: the disk stops answering" in out1, out1
+    stalled = re.search(r"FATAL: stuck (\d+)s \(bound 35s, --collective-timeout\) writing checkpoint step 8 to "
+                        r"\S+step_000008 at step 8 on \S+: the disk does not answer\. Fix: look at the disk under",
+                        out1)
+    assert stalled and int(stalled.group(1)) >= 35 and code1 == collective_exit(), out1
+    assert code0 == collective_exit() and "FATAL" in out0 and "rank 1@" in out0, out0
+    for rank in range(2):
+        assert checkpoint.complete_steps(str(tmp_path / f"node{rank}")) == [4]
+
+
+def test_a_one_process_watchdog_bounds_a_stalled_write(tmp_path):
+    """Without peers the watchdog still runs: a run on one node whose disk stops answering says
+    so and exits rather than hang with its unit active."""
+    script = ("import time\n"
+              "from nanochat_cpu.dist import DistEnv, Watchdog\n"
+              "dog = Watchdog(DistEnv(rank=0, local_rank=0, world_size=1), 1.0)\n"
+              "with dog.disk('writing checkpoint step 3 to /x', 3, 'Fix: look at the disk.'):\n"
+              "    time.sleep(60)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert proc.returncode == collective_exit(), proc.stdout + proc.stderr
+    assert re.search(r"FATAL: stuck \d+s \(bound 1s, --collective-timeout\) writing checkpoint step 3 to /x at "
+                     r"step 3 on \S+: the disk does not answer\. Fix: look at the disk\.", proc.stdout), proc.stdout
+
+
 def test_a_checkpoint_that_takes_longer_than_the_collective_timeout_to_cross_still_lands(tiny_data_dir,
                                                                                           tiny_tokenizer_dir,
                                                                                           tmp_path):
@@ -259,6 +298,11 @@ def test_a_checkpoint_that_takes_longer_than_the_collective_timeout_to_cross_sti
 def config_exit() -> int:
     from nanochat_cpu.dist import EXIT_CONFIG
     return EXIT_CONFIG
+
+
+def collective_exit() -> int:
+    from nanochat_cpu.dist import EXIT_COLLECTIVE
+    return EXIT_COLLECTIVE
 
 
 def mismatch_exit() -> int:
