@@ -324,13 +324,19 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
 
 
 def choose_after_timed_steps(cfg: TrainConfig, env: DistEnv, nodes: Nodes, warm: PhaseTimes, step: int,
-                             warm_until: int, watchdog: Watchdog) -> dict:
+                             warm_until: int, watchdog: Watchdog, before_resplit: bool) -> dict | None:
     """auto, after timing the synchronous warm-up's first steps: {"synchronous": whether every step
     stays synchronous, "why": ...}, and where local steps follow, "warm_until": the step the warm-up
     ends at, "asked_until": the end --sync-warmup-ratio asked for, and "first_phase": the inner
     steps before the first outer sync. Every rank decides alike: from
     the smallest wire share and wire wait any rank saw (the last rank to arrive: the wire's own) and
-    the largest step but its waits (the slowest rank's work)."""
+    the largest step but its waits (the slowest rank's work).
+
+    `before_resplit`: some timed steps ran at a split the check has since replaced. The wire's
+    wait is the same bytes at any split, and the new split's slowest rank works less, so a share
+    that asks for local steps there asks for them at the new split too: the choice stands (its
+    warm-up end and first phase then err long and short). One that keeps every step synchronous
+    might not: None, and the steps are timed again at the new split."""
     timed = warm.steps > 0
     _, wait_s, wall_s = warm.per_step()
     # MAX of the negated share and wait is the smallest any rank saw; an untimed rank's +1 makes the
@@ -341,6 +347,9 @@ def choose_after_timed_steps(cfg: TrainConfig, env: DistEnv, nodes: Nodes, warm:
         dist.all_reduce(seen, op=dist.ReduceOp.MAX)
     share, wire_s, work_s = -float(seen[0]), -float(seen[1]), float(seen[2])
     keep, why = keep_synchronous(share if share >= 0 else None)
+    if keep and before_resplit:
+        log(env, f"sync-every auto: timed before the work split changed ({why}); timing the new split")
+        return None
     log(env, f"sync-every auto: {why}")
     choice = {"synchronous": keep, "why": why}
     if not keep and share >= 0:
@@ -636,6 +645,7 @@ def run(cfg: TrainConfig) -> int:
     said_speed = False  # whether the cluster-vs-one-node line was logged
     phase = PhaseTimes()  # since the last outer boundary (every step, when synchronous)
     warm = PhaseTimes()  # the synchronous warm-up's steps but this process's first (auto times its wire)
+    warm_before_resplit = False  # whether some of them ran at a split the check has since replaced
     # this process's steps but its first, until the measured work split is checked against them
     split_times = PhaseTimes() if cfg.rank_batch_sizes == "auto" and env.distributed and not split_settled else None
     split_from = start_step + 2  # the first step they time: the one before allocates
@@ -713,9 +723,7 @@ def run(cfg: TrainConfig) -> int:
                 if not boundary:  # the phase's timings so far were of the old split
                     phase = phase.restarted()
                 compiling.restart_timing()
-                if diloco is None and nodes is not None and auto_choice is None and sync_every_steps(cfg) is None:
-                    warm = PhaseTimes()  # auto times the wire at the new split
-                    warm_until = max(warm_until, min(step + AUTO_TIMED_STEPS, cfg.num_iterations))
+                warm_before_resplit = warm.steps > 0  # auto's timings so far: of the old split
                 if env.master:
                     log(env, f"batch: {cfg.total_batch_size:,} tokens/step = {accum} micro-steps x rows {sizes} x "
                              f"{cfg.max_seq_len} tokens")
@@ -726,8 +734,12 @@ def run(cfg: TrainConfig) -> int:
         auto_pending = diloco is None and nodes is not None and auto_choice is None and sync_every_steps(cfg) is None
         if auto_pending and (warm.steps >= AUTO_TIMED_STEPS or step == warm_until) and not last:
             # before the timing line: it says what follows
-            auto_choice = choose_after_timed_steps(cfg, env, nodes, warm, step, warm_until, watchdog)
-            if auto_choice["synchronous"]:
+            auto_choice = choose_after_timed_steps(cfg, env, nodes, warm, step, warm_until, watchdog,
+                                                   warm_before_resplit)
+            if auto_choice is None:  # timed anew at the new split
+                warm, warm_before_resplit = PhaseTimes(), False
+                warm_until = max(warm_until, min(step + AUTO_TIMED_STEPS, cfg.num_iterations))
+            elif auto_choice["synchronous"]:
                 nodes, warm_until = None, 0
             else:
                 warm_until = auto_choice.get("warm_until", warm_until)

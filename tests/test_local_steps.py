@@ -431,6 +431,45 @@ def test_local_steps_start_after_a_synchronous_warm_up_and_resume_from_its_check
         assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
 
 
+@pytest.mark.parametrize("wire_s", ["0.3", "0"])
+def test_auto_decides_from_the_steps_before_a_new_split_where_they_ask_for_local_steps(
+        tiny_data_dir, tiny_tokenizer_dir, tmp_path, wire_s):
+    """Node 1 computes 0.5 s a step longer, which the calibration before step 0 does not see, so the
+    check at step 3 gives node 0 more rows. The last node to arrive waited on the wire alone at the
+    old split, and at the new one the slowest node works less: a share that asks for local steps
+    (0.3 s of wire a step) asks for them still, so the warm-up ends at step 3 as planned and the
+    local steps begin at 4 (before, auto timed two more synchronous steps). Where the wire is
+    cheap the old split's steps would keep every step synchronous, which the new split might not:
+    auto times two steps at the new split and decides at step 5. The rows are long enough that
+    the calibration's passes (about 0.1 s) see the nodes as equally fast."""
+    rows_that_cost = {"depth": 4, "aspect_ratio": 64, "max_seq_len": 256, "device_batch_size": 4,
+                      "total_batch_size": 2048}
+    port = free_port()
+    env = {**node_env(), "SLOW_S": "0.5", "SLOW_RANK": "1", "WIRE_S": wire_s}
+    flags = [[SLOW_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every="auto",
+                                      sync_warmup_ratio=0.25, rank_batch_sizes="auto", checkpoint_every=0,
+                                      **rows_that_cost)]
+             for node in range(2)]
+    results = collect([spawn_node(2, n, port, flags[n], env=env) for n in range(2)], 240)
+    out = assert_ok(results)[: len(results[0][1])]  # node 0's
+    moved = re.search(r"work split checked against steps to 3: .* -> rows \[(\d+), (\d+)\] instead of \[(\d+), "
+                      r"(\d+)\]", out)
+    assert moved, out
+    new, old = [int(moved.group(i)) for i in (1, 2)], [int(moved.group(i)) for i in (3, 4)]
+    assert new[0] > max(new[1], old[0]), out
+    if wire_s != "0":
+        assert re.search(r"sync-every auto: synchronous steps waited [0-9.]+% .* over 5%: local steps follow", out)
+        assert "synchronous warm-up done at step 3 " in out and "timing the new split" not in out, out
+    else:
+        assert re.search(r"sync-every auto: timed before the work split changed \(.*\); timing the new split", out)
+        retimed = out[out.index("timing the new split"):]
+        decided = re.search(r"sync-every auto: synchronous steps waited .*(every step stays synchronous|local steps "
+                            r"follow)", retimed)
+        assert decided, out
+        assert "step 00005/" in retimed[: decided.start()] and "step 00006/" not in retimed[: decided.start()], out
+    assert sorted(losses(out)) == list(range(1, 13))
+
+
 def test_the_split_is_checked_again_when_the_local_steps_begin(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
     """A node whose speed changes once the inner phases begin (on a shared host each node then runs
     its optimizer on the whole model and none waits on the wire): node 0 is the slow one in the
