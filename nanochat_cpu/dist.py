@@ -177,7 +177,9 @@ class Watchdog:
             time.sleep(1.0)
             with self._lock:
                 current = self._phase
-            if not current or time.monotonic() - current[2] <= self.bound_s:
+            # without peers only a disk can stall: a one-process run's phases are not collectives
+            if not current or time.monotonic() - current[2] <= self.bound_s or (
+                    current[3] is None and not self.env.distributed):
                 continue
             what, step, t0, fix = current
             stuck = f"stuck {time.monotonic() - t0:.0f}s (bound {self.bound_s:.0f}s, --collective-timeout)"
