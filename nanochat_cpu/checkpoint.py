@@ -52,6 +52,8 @@ from .optim import merge_optimizer_states
 from .sync_diloco import merge_outer_states
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from .config import TrainConfig
     from .dataloader import TokenLoader
     from .model import GPT
@@ -68,16 +70,38 @@ def step_dir(out_dir: str, step: int) -> str:
     return os.path.join(checkpoint_root(out_dir), f"step_{step:06d}")
 
 
-class _WriteErrors:
-    """A file whose write errors are kept: torch.save turns a failed write (ENOSPC, EIO) into
-    'enforce fail ... unexpected pos', and the reason would be lost."""
+SYNC_BYTES = 64 << 20  # a checkpoint's file reaches the disk in pieces this size: each one is progress
 
-    def __init__(self, f):
-        self.f, self.error = f, None
+
+def no_progress() -> None:
+    """Where nobody watches a write (`Watchdog.disk` hands out the real one)."""
+
+
+class _ToDisk:
+    """A file whose bytes are pushed to the disk every SYNC_BYTES (fdatasync), `progress` called
+    after each: the page cache would otherwise take a multi-GB checkpoint at once and leave all of
+    its time to one fsync, so a slow disk and one that stopped answering would look alike. Write
+    errors are kept: torch.save turns a failed write (ENOSPC, EIO) into 'enforce fail ...
+    unexpected pos', and the reason would be lost."""
+
+    def __init__(self, f, progress: Callable[[], None]):
+        self.f, self.progress, self.error, self.unsynced = f, progress, None, 0
 
     def write(self, data) -> int:
+        view = memoryview(data).cast("B")  # torch.save hands a tensor's whole storage in one call
         try:
-            return self.f.write(data)
+            done = 0
+            while done < len(view):
+                piece = view[done: done + SYNC_BYTES - self.unsynced]
+                self.f.write(piece)
+                done += len(piece)
+                self.unsynced += len(piece)
+                if self.unsynced == SYNC_BYTES:
+                    self.f.flush()
+                    os.fdatasync(self.f.fileno())
+                    self.unsynced = 0
+                    self.progress()
+            return done
         except OSError as exc:
             self.error = self.error or exc
             raise
@@ -89,11 +113,11 @@ class _WriteErrors:
         return self.f.fileno()
 
 
-def atomic_torch_save(obj, path: str) -> None:
+def atomic_torch_save(obj, path: str, progress: Callable[[], None] = no_progress) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            out = _WriteErrors(f)
+            out = _ToDisk(f, progress)
             try:
                 torch.save(obj, out)
             except RuntimeError as exc:
@@ -110,11 +134,11 @@ def atomic_torch_save(obj, path: str) -> None:
         raise
 
 
-def atomic_write_bytes(path: str, data: bytes | bytearray) -> None:
+def atomic_write_bytes(path: str, data: bytes | bytearray, progress: Callable[[], None] = no_progress) -> None:
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            _ToDisk(f, progress).write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -137,7 +161,8 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def write_step_files(out_dir: str, step: int, model_state: dict, rank_files: list[bytes | bytearray]) -> None:
+def write_step_files(out_dir: str, step: int, model_state: dict, rank_files: list[bytes | bytearray],
+                     progress: Callable[[], None] = no_progress) -> None:
     """Phase 1, once per disk: the model and every rank's state (its torch.save bytes, as it sent
     them: written as they are, each dropped once on disk), so this disk alone can resume the run
     at any layout. The caller learns whether every disk's write succeeded, then seals."""
@@ -145,10 +170,11 @@ def write_step_files(out_dir: str, step: int, model_state: dict, rank_files: lis
     if os.path.isdir(d):  # an unsealed wreck of an earlier attempt at this step: nothing of it is kept
         shutil.rmtree(d)
     os.makedirs(d)
-    atomic_torch_save(model_state, os.path.join(d, "model.pt"))
+    atomic_torch_save(model_state, os.path.join(d, "model.pt"), progress)
     for r in range(len(rank_files)):
-        atomic_write_bytes(os.path.join(d, f"rank{r}.pt"), rank_files[r])
+        atomic_write_bytes(os.path.join(d, f"rank{r}.pt"), rank_files[r], progress)
         rank_files[r] = b""
+        progress()
 
 
 def mark_complete(out_dir: str, step: int, layout: dict, keep: int) -> None:
@@ -407,8 +433,9 @@ def write_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, snap: Snapsho
                f"and resumes from the newest sealed checkpoint")
     if disks.writer(env.rank):
         try:
-            with watchdog.disk(f"writing checkpoint step {step} to {step_dir(cfg.out_dir, step)}", step, stalled):
-                write_step_files(cfg.out_dir, step, snap.model_state, rank_files)
+            with watchdog.disk(f"writing checkpoint step {step} to {step_dir(cfg.out_dir, step)}", step,
+                               stalled) as progress:
+                write_step_files(cfg.out_dir, step, snap.model_state, rank_files, progress)
         except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
             done = complete_steps(cfg.out_dir)
             error = (f"cannot write checkpoint step {step} under {cfg.out_dir}: {type(exc).__name__}: {exc}. "
@@ -513,9 +540,9 @@ def restore_missing(cfg: TrainConfig, env: DistEnv, disks: Disks, step: int, eve
             got = send_bytes(env, disks, data, source, n, watchdog, f"checkpoint file {name}")
             if got is not None and problem is None:
                 size += len(got)
-                problem = write_restored_file(cfg.out_dir, step, name, got, env)
+                problem = write_restored_file(cfg.out_dir, step, name, got, env, watchdog)
     if env.rank in needy and problem is None:
-        problem = write_restored_file(cfg.out_dir, step, "COMPLETE", json.dumps(marker).encode(), env)
+        problem = write_restored_file(cfg.out_dir, step, "COMPLETE", json.dumps(marker).encode(), env, watchdog)
         fsync_dir(checkpoint_root(cfg.out_dir))
         prune(cfg.out_dir, cfg.keep_checkpoints, sealed=step)
         log(env, f"checkpoint step {step} was missing on this disk: restored from rank {source}@"
@@ -548,14 +575,17 @@ def send_bytes(env: DistEnv, disks: Disks, data: bytes, src: int, dst: int, watc
     return got if env.rank == dst else None
 
 
-def write_restored_file(out_dir: str, step: int, name: str, data: bytes | bytearray, env: DistEnv) -> str | None:
+def write_restored_file(out_dir: str, step: int, name: str, data: bytes | bytearray, env: DistEnv,
+                        watchdog: Watchdog) -> str | None:
     """One file of a restored checkpoint, atomically (COMPLETE, the last, seals it); the problem, if any."""
     d = step_dir(out_dir, step)
     try:
-        os.makedirs(d, exist_ok=True)
-        atomic_write_bytes(os.path.join(d, name), data)
-        if name == "COMPLETE":
-            fsync_dir(d)
+        with watchdog.disk(f"restoring checkpoint step {step}'s {name} to {d}", step,
+                           f"Fix: look at the disk under {out_dir} on {env.host} (`dmesg`, its mount)") as progress:
+            os.makedirs(d, exist_ok=True)
+            atomic_write_bytes(os.path.join(d, name), data, progress)
+            if name == "COMPLETE":
+                fsync_dir(d)
     except OSError as exc:
         return (f"cannot restore checkpoint step {step} under {out_dir}: {type(exc).__name__}: {exc}. Fix: free "
                 f"space on {env.host} (about {len(data) / 2**20:.0f} MiB a file) or move --out-dir, then start "

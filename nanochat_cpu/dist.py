@@ -153,20 +153,27 @@ class Watchdog:
 
     @contextlib.contextmanager
     def disk(self, what: str, step: int, fix: str):
-        """Local writes that may never return: past the bound, `what` and `fix` are said and the rank
-        exits. Their errors are the caller's (a full disk is reported as such, not as a stall)."""
+        """Local writes that may never return. Yields `progress`, to call whenever some bytes reached
+        the disk: the bound is on the time without any (a slow disk writing a big checkpoint is not
+        stuck), and past it `what` and `fix` are said and the rank exits. The writes' errors are the
+        caller's (a full disk is reported as such, not as a stall)."""
         with self._marked(what, step, fix):
-            yield
+            yield self._progress
+
+    def _progress(self) -> None:
+        with self._lock:
+            if self._phase is not None:
+                self._phase = (*self._phase[:2], time.monotonic(), self._phase[3])
 
     @contextlib.contextmanager
     def _marked(self, what: str, step: int, fix: str | None):
         with self._lock:
-            self._phase = (what, step, time.monotonic(), fix)
+            outer, self._phase = self._phase, (what, step, time.monotonic(), fix)
         try:
             yield
         finally:
             with self._lock:
-                self._phase = None
+                self._phase = outer  # a phase inside another hands the watch back
 
     def _started(self) -> float:
         with self._lock:
@@ -184,8 +191,8 @@ class Watchdog:
             what, step, t0, fix = current
             stuck = f"stuck {time.monotonic() - t0:.0f}s (bound {self.bound_s:.0f}s, --collective-timeout)"
             if fix is not None:
-                fail(self.env, EXIT_COLLECTIVE, f"{stuck} {what} at step {step} on {self.env.host}: the disk "
-                                                f"does not answer. {fix}")
+                fail(self.env, EXIT_COLLECTIVE, f"{stuck} {what} at step {step} on {self.env.host}: no byte "
+                                                f"reached the disk in that time, it does not answer. {fix}")
             fail(self.env, EXIT_COLLECTIVE,
                  f"{stuck} in collective '{what}' at step {step}; waiting on peers: {self.env.peers()}. "
                  f"A peer died or the network dropped. Exiting so the unit restarts and resumes.")

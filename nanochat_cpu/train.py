@@ -723,7 +723,7 @@ def run(cfg: TrainConfig) -> int:
                 if not boundary:  # the phase's timings so far were of the old split
                     phase = phase.restarted()
                 compiling.restart_timing()
-                warm_before_resplit = warm.steps > 0  # auto's timings so far: of the old split
+                warm_before_resplit = auto_choice is None and warm.steps > 0  # auto's timings so far: the old split's
                 if env.master:
                     log(env, f"batch: {cfg.total_batch_size:,} tokens/step = {accum} micro-steps x rows {sizes} x "
                              f"{cfg.max_seq_len} tokens")

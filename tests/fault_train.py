@@ -59,13 +59,13 @@ def _is_target(path: str) -> bool:
     return (os.environ.get("RANK", "0"), os.path.basename(os.path.dirname(path)), os.path.basename(path)) == _target
 
 
-def sabotaged_save(obj, path: str) -> None:
+def sabotaged_save(obj, path: str, *progress) -> None:
     """model.pt: torch.save's output cut half way."""
     if not _is_target(path):
-        return _real_save(obj, path)
+        return _real_save(obj, path, *progress)
     torch.save = lambda o, f: _half_then(o, f, _then)  # the real atomic_torch_save around it
     try:
-        return _real_save(obj, path)
+        return _real_save(obj, path, *progress)
     finally:
         torch.save = _real_torch_save
 
@@ -92,13 +92,13 @@ class _HalfFile:
 _real_write_bytes = checkpoint.atomic_write_bytes
 
 
-def sabotaged_write_bytes(path: str, data) -> None:
+def sabotaged_write_bytes(path: str, data, *progress) -> None:
     """rank{r}.pt, written as the bytes the rank sent: the real atomic_write_bytes, its file cut half way."""
     if not _is_target(path):
-        return _real_write_bytes(path, data)
+        return _real_write_bytes(path, data, *progress)
     checkpoint.open = lambda name, mode: _HalfFile(open(name, mode), _then)  # shadows the builtin there
     try:
-        return _real_write_bytes(path, data)
+        return _real_write_bytes(path, data, *progress)
     finally:
         del checkpoint.open
 

@@ -247,7 +247,8 @@ def test_a_disk_that_stops_answering_in_a_checkpoint_is_named_within_the_watchdo
     assert time.monotonic() - t0 < 120
     assert "FAULT: the disk stops answering" in out1, out1
     stalled = re.search(r"FATAL: stuck (\d+)s \(bound 35s, --collective-timeout\) writing checkpoint step 8 to "
-                        r"\S+step_000008 at step 8 on \S+: the disk does not answer\. Fix: look at the disk under",
+                        r"\S+step_000008 at step 8 on \S+: no byte reached the disk in that time, it does not answer\. "
+                        r"Fix: look at the disk under",
                         out1)
     assert stalled and int(stalled.group(1)) >= 35 and code1 == collective_exit(), out1
     assert code0 == collective_exit() and "FATAL" in out0 and "rank 1@" in out0, out0
@@ -255,22 +256,42 @@ def test_a_disk_that_stops_answering_in_a_checkpoint_is_named_within_the_watchdo
         assert checkpoint.complete_steps(str(tmp_path / f"node{rank}")) == [4]
 
 
-def test_a_one_process_watchdog_bounds_a_stalled_write(tmp_path):
+def test_a_one_process_watchdog_bounds_a_stalled_write_not_a_slow_one(tmp_path):
     """Without peers the watchdog still runs: a run on one node whose disk stops answering says
-    so and exits rather than hang with its unit active. Its other phases (a compile on a slow
-    laptop) wait on no peer and are not bounded."""
+    so and exits rather than hang with its unit active. The bound is on the time without progress:
+    a write that goes on reaching the disk (a big checkpoint on an SD card) takes as long as it
+    takes. A one-process run's other phases (a compile on a slow laptop) wait on no peer and are
+    not bounded."""
     script = ("import time\n"
               "from nanochat_cpu.dist import DistEnv, Watchdog\n"
               "dog = Watchdog(DistEnv(rank=0, local_rank=0, world_size=1), 1.0)\n"
               "with dog.phase('--compile auto: compiling', 2):\n"
               "    time.sleep(3)\n"
-              "print('compiled', flush=True)\n"
+              "with dog.disk('writing checkpoint step 2 to /x', 2, 'Fix: none needed.') as progress:\n"
+              "    for _ in range(6):\n"
+              "        time.sleep(0.5)\n"
+              "        progress()\n"
+              "print('compiled and written', flush=True)\n"
               "with dog.disk('writing checkpoint step 3 to /x', 3, 'Fix: look at the disk.'):\n"
               "    time.sleep(60)\n")
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30, cwd=REPO)
-    assert proc.returncode == collective_exit() and "compiled" in proc.stdout, proc.stdout + proc.stderr
+    assert proc.returncode == collective_exit() and "compiled and written" in proc.stdout, proc.stdout + proc.stderr
     assert re.search(r"FATAL: stuck \d+s \(bound 1s, --collective-timeout\) writing checkpoint step 3 to /x at "
-                     r"step 3 on \S+: the disk does not answer\. Fix: look at the disk\.", proc.stdout), proc.stdout
+                     r"step 3 on \S+: no byte reached the disk in that time, it does not answer\. Fix: look at the "
+                     r"disk\.", proc.stdout), proc.stdout
+
+
+def test_a_checkpoint_file_reaches_the_disk_in_pieces_each_a_sign_of_progress(tmp_path, monkeypatch):
+    """A big file is pushed to the disk (fdatasync) every SYNC_BYTES, and each piece counts as
+    progress for the watchdog; the file lands whole, through either writer."""
+    monkeypatch.setattr(checkpoint, "SYNC_BYTES", 4096)
+    seen = []
+    data = os.urandom(10 * 4096 + 123)
+    checkpoint.atomic_write_bytes(str(tmp_path / "rank0.pt"), data, lambda: seen.append("bytes"))
+    assert (tmp_path / "rank0.pt").read_bytes() == data and len(seen) == 10
+    weights = {"w": torch.randn(64, 64)}
+    checkpoint.atomic_torch_save(weights, str(tmp_path / "model.pt"), lambda: seen.append("torch"))
+    assert torch.equal(torch.load(tmp_path / "model.pt")["w"], weights["w"]) and seen.count("torch") >= 4
 
 
 def test_a_checkpoint_that_takes_longer_than_the_collective_timeout_to_cross_still_lands(tiny_data_dir,

@@ -434,18 +434,19 @@ def test_local_steps_start_after_a_synchronous_warm_up_and_resume_from_its_check
 @pytest.mark.parametrize("wire_s", ["0.3", "0"])
 def test_auto_decides_from_the_steps_before_a_new_split_where_they_ask_for_local_steps(
         tiny_data_dir, tiny_tokenizer_dir, tmp_path, wire_s):
-    """Node 1 computes 0.5 s a step longer, which the calibration before step 0 does not see, so the
+    """Node 1 computes 1.5 s a step longer, which the calibration before step 0 does not see, so the
     check at step 3 gives node 0 more rows. The last node to arrive waited on the wire alone at the
     old split, and at the new one the slowest node works less: a share that asks for local steps
     (0.3 s of wire a step) asks for them still, so the warm-up ends at step 3 as planned and the
     local steps begin at 4 (before, auto timed two more synchronous steps). Where the wire is
     cheap the old split's steps would keep every step synchronous, which the new split might not:
-    auto times two steps at the new split and decides at step 5. The rows are long enough that
-    the calibration's passes (about 0.1 s) see the nodes as equally fast."""
+    auto times two steps at the new split and decides at step 5 (loopback's wire is a few hundredths
+    of a second against steps of 1.5 s and more). The rows are long enough that the calibration's
+    passes (about 0.1 s) see the nodes as equally fast."""
     rows_that_cost = {"depth": 4, "aspect_ratio": 64, "max_seq_len": 256, "device_batch_size": 4,
                       "total_batch_size": 2048}
     port = free_port()
-    env = {**node_env(), "SLOW_S": "0.5", "SLOW_RANK": "1", "WIRE_S": wire_s}
+    env = {**node_env(), "SLOW_S": "1.5", "SLOW_RANK": "1", "WIRE_S": wire_s}
     flags = [[SLOW_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every="auto",
                                       sync_warmup_ratio=0.25, rank_batch_sizes="auto", checkpoint_every=0,
                                       **rows_that_cost)]
