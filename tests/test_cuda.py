@@ -43,7 +43,7 @@ def test_one_gpu_trains_and_resumes(tiny_data_dir, tiny_tokenizer_dir, tmp_path)
     """As a CUDA node runs by default: bf16 autocast and a compiled model (compiled twice here)."""
     out = tmp_path / "run"
     stdout = train_and_resume(1, tiny_flags(tiny_data_dir, tiny_tokenizer_dir, out, device="cuda",
-                                            eval_every=6), out)
+                                            eval_every=6, compile="auto"), out)
     assert "device=cuda:0" in stdout and "dtype=torch.bfloat16 (auto: --device cuda" in stdout
     assert "compile=on (auto: compile pays off on CUDA)" in stdout and "val_bpb=" in stdout
 
