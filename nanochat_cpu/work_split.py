@@ -51,7 +51,8 @@ def balanced_split(row_seconds: list[float], step_rows: int, configured: int, fi
     takes 3 row-times of 6: 0.5 per row) where 5,2,5 of 12 rows takes 0.42. So every micro-step
     size from the configured one (device_batch_size x world_size) to twice it (the cap bounds a
     rank's activation memory) that divides the step's rows is tried; the split whose slowest rank
-    spends the least time per global row wins, the configured size when it is within 3% of it.
+    spends the least time per global row wins, or the fewest rows within 3% of it (the configured
+    size where it is).
     A micro-batch's fixed cost (`fixed_rows` rows' time on every rank) favours fewer, larger ones.
     Smaller micro-steps (more passes than the even split; the configured size always divides the
     step, config.validate sees to it) are never tried: a pass of one or two rows costs 10-20% more
@@ -63,7 +64,7 @@ def balanced_split(row_seconds: list[float], step_rows: int, configured: int, fi
             sizes = min_max_split(row_seconds, rows, fixed_rows)
             options.append((slowest_rank_s(sizes, row_seconds, fixed_rows) / rows, rows, sizes))
     best = min(cost for cost, _, _ in options)
-    return min((o for o in options if o[0] <= best * 1.03), key=lambda o: (abs(o[1] - configured), o[1]))[2]
+    return min((o for o in options if o[0] <= best * 1.03), key=lambda o: o[1])[2]  # from the configured size up
 
 
 CALIBRATION_SECONDS = 1.5
