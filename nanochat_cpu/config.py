@@ -111,6 +111,13 @@ class TrainConfig:
     outer_lr: float = field(default=1.0, metadata={"help": "outer SGD LR on the nodes' averaged pseudo-gradient "
                                                            "(1 with momentum 0: the nodes' token-weighted average)"})
     outer_momentum: float = field(default=0.0, metadata={"help": "outer Nesterov momentum, in [0, 1)"})
+    outer_overlap: str = field(
+        default="off",
+        metadata={"choices": ("on", "off"),
+                  "help": "with local steps: on = each outer sync crosses in the background of the next inner "
+                          "phase and lands one phase late (none before an evaluation, a sample, a checkpoint or "
+                          "the last step); auto then needs only the phases the sync takes to cross"},
+    )
     # local steps cost the most quality early, while the model changes fastest (post-local SGD)
     sync_warmup_ratio: float = field(
         default=SYNC_WARMUP_RATIO,
@@ -282,6 +289,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         raise flag_problem("outer_lr", cfg.outer_lr, "must be > 0 (1 with --outer-momentum 0 = plain averaging)")
     if not 0.0 <= cfg.outer_momentum < 1.0:
         raise flag_problem("outer_momentum", cfg.outer_momentum, "must be in [0, 1)")
+    if cfg.outer_overlap == "on" and sync_every_steps(cfg) == 1:
+        raise flag_problem("outer_overlap", cfg.outer_overlap, "overlaps the outer syncs of local steps: it needs "
+                                                               "--sync-every above 1 or auto")
     if not 0.0 <= cfg.sync_warmup_ratio < 1.0:
         raise flag_problem("sync_warmup_ratio", cfg.sync_warmup_ratio, "must be in [0, 1)")
     if cfg.seed < 0:

@@ -41,19 +41,34 @@ local steps are needed at all (`keep_synchronous`): on a link fast enough that s
 wait at most 5 percent of their time, every step stays synchronous, which trains best per token.
 Where local steps follow, the warm-up's own waits are held to 5 percent of the run too
 (`warm_up_end`): on a slow link it ends sooner than --sync-warmup-ratio asks.
+
+With --outer-overlap on, an outer sync need not hold the nodes at all: each leader sends its
+delta from a thread of its own, on a process group of its own (`Background`), and its node
+trains on from its own weights. The sync lands at the next boundary: the node's weights become
+theta_n - base + theta_global, its progress since it sent (base: its weights then) on the
+theta_global the sync brought, and the next delta is that progress. theta_global so runs one phase
+behind the nodes, and a node's own progress of a phase is replaced by the nodes' average of it
+one phase later (Streaming DiLoCo's overlap, a whole phase long). What reads or saves the model
+needs every node at theta_global: before an evaluation, a sample, a checkpoint, a stop and the
+last step the sync blocks as above (the one in flight lands first), so a checkpoint never holds
+a sync in flight. auto times its first sync blocking, then needs only an H whose phase the sync
+crosses in (`choose_sync_every`). The thread compares theta_global's bits across the leaders
+after each sync, as the loop compares the parameters after a blocking one.
 """
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from .dist import DistEnv, Watchdog
+from .dist import EXIT_MISMATCH, DistEnv, Watchdog, fail
 from .perf import sync
 from .progress import human_duration
 from .sync_strategy import all_gather, wait_timed
@@ -62,6 +77,7 @@ AUTO_FIRST_PHASE = 2  # inner steps before auto's first, timed, outer sync: the 
 AUTO_WIRE_SHARE = 0.05  # auto: the outer sync at most this share of the wall time
 AUTO_MAX_H = 100  # auto never goes past the published range (H 30-100): quality drops beyond it
 AUTO_TIMED_STEPS = 2  # synchronous steps auto times before it chooses them or local steps
+AUTO_OVERLAP_SLACK = 1.5  # auto, overlapped: a phase this many times the sync's time, so that it lands within it
 
 
 # ---- which ranks form a node ---------------------------------------------------------------------
@@ -75,6 +91,7 @@ class Nodes:
     group: dist.ProcessGroup | None  # this node's ranks (None: the node has one rank, it steps alone)
     leaders: dist.ProcessGroup | None  # every node's first rank (None: the world, one rank per node)
     rank: int  # this rank's global rank
+    background: Background | None = None  # where overlapped outer syncs go (--outer-overlap on)
 
     @property
     def count(self) -> int:
@@ -115,6 +132,24 @@ def find_nodes(env: DistEnv, watchdog: Watchdog) -> Nodes:
     return Nodes(index, ranks, group, leaders, env.rank)
 
 
+@dataclass
+class Background:
+    """What an outer sync needs to go on while the inner steps do: the leaders' own process group
+    (the loop's collectives go on beside it, on the world's and the node's groups) and a watchdog
+    of its own (the loop's keeps the loop's phases)."""
+
+    env: DistEnv
+    group: dist.ProcessGroup
+    watchdog: Watchdog = field(repr=False)
+
+
+def open_background(env: DistEnv, nodes: Nodes, watchdog: Watchdog, timeout_s: float) -> Background:
+    """Collective: every rank builds the group, the others' ranks a handle they never use."""
+    with watchdog.phase("new process group for overlapped outer syncs", 0):
+        group = dist.new_group([r[0] for r in nodes.ranks], timeout=datetime.timedelta(seconds=timeout_s))
+    return Background(env, group, Watchdog(env, watchdog.bound_s))
+
+
 def node_token_share(nodes: Nodes, sizes: list[int]) -> float:
     """This node's share of an inner step's tokens: its ranks' rows over every rank's."""
     return sum(sizes[r] for r in nodes.ranks[nodes.index]) / sum(sizes)
@@ -152,9 +187,25 @@ class OuterSchedule:
         return period > 0 and step // period > self.previous(step) // period
 
 
-def choose_sync_every(sync_s: float, step_s: float) -> tuple[int, str]:
-    """H such that one sync per H inner steps is at most AUTO_WIRE_SHARE of the wall time, and why."""
+def choose_sync_every(sync_s: float, step_s: float, work_s: float | None = None) -> tuple[int, str]:
+    """H such that one sync per H inner steps is at most AUTO_WIRE_SHARE of the wall time, and why.
+
+    Overlapped (`work_s`: what of a sync the node still does itself, between two steps: its weights
+    read, rebased and handed on), the wire's time is no wait where the sync lands within the next
+    phase: H steps of AUTO_OVERLAP_SLACK times its time (the inner steps slow while it crosses, and a
+    link's speed varies). That work is held to the share instead; a smaller H trains better."""
     ratio = (1 - AUTO_WIRE_SHARE) / AUTO_WIRE_SHARE  # sync / (H step + sync) <= share  <=>  H >= ratio * sync / step
+    if work_s is not None:
+        land = AUTO_OVERLAP_SLACK * sync_s / max(step_s, 1e-9)
+        need = max(land, ratio * work_s / max(step_s, 1e-9))
+        h = min(AUTO_MAX_H, max(AUTO_FIRST_PHASE, math.ceil(need)))
+        why = (f"outer sync {sync_s:.2f} s, {work_s:.2f} s of it this node's own work, slowest node's inner step "
+               f"{step_s:.2f} s: overlapped, it lands within the next phase at H >= {land:.1f} "
+               f"({AUTO_OVERLAP_SLACK}x its time), and its own work is at most {AUTO_WIRE_SHARE:.0%} at H >= "
+               f"{ratio * work_s / max(step_s, 1e-9):.1f}")
+        if h < need:
+            why += f"; capped at {AUTO_MAX_H} (published range), so a sync may not land within a phase"
+        return h, why
     need = ratio * sync_s / max(step_s, 1e-9)
     h = min(AUTO_MAX_H, max(1, math.ceil(need)))
     share = sync_s / (h * step_s + sync_s)
@@ -229,11 +280,22 @@ def warm_up_end(wire_s: float, local_step_s: float, num_iterations: int, planned
 
 @dataclass
 class OuterStats:
-    sync_s: float  # the whole outer step, as this rank saw it
-    wait_s: float  # of which blocked on the wire (and on the slower nodes)
-    pseudo_grad_norm: float  # of the nodes' weighted delta
+    sync_s: float  # the whole outer step, as this rank saw it (overlapped: its part between two steps)
+    wait_s: float  # of which blocked on the wire (and on the slower nodes; overlapped: on the sync before)
+    pseudo_grad_norm: float  # of the nodes' weighted delta (overlapped: the sync that landed; nan: none did)
     sent_bytes: int  # by this node's leader
-    slowest_step_s: float  # the slowest node's mean inner step in the phase that ended
+    slowest_step_s: float  # the slowest node's mean inner step in the phase that ended (overlapped: landed)
+    background_s: float = 0.0  # overlapped: how long the sync that landed took in the background
+    overlapped: bool = False  # this one left in the background: the nodes are not at theta_global
+
+
+@dataclass
+class Landed:
+    """An overlapped sync, once done: what its leaders agreed on."""
+
+    took_s: float
+    norm_sq: float
+    slowest_step_s: float
 
 
 class DiLoCo:
@@ -250,6 +312,8 @@ class DiLoCo:
         self.shared_params = shared_params  # the node's ranks read one copy of the weights (shared memory)
         self.outer_steps = 0
         self.wait_s = 0.0  # of the last outer step
+        self.flight: threading.Thread | None = None  # an overlapped sync under way (leaders only)
+        self.landed: Landed | None = None  # what it agreed on, once done
         self.numel = sum(p.numel() for p in self.params)
         self.shard = -(-self.numel // nodes.count)
         device = self.params[0].device
@@ -265,6 +329,12 @@ class DiLoCo:
         self.momentum = torch.zeros(self.shard, dtype=torch.float32, device=device)
         self.new_slice = torch.zeros(self.shard, dtype=torch.float32, device=device)
         self.updates = None if param_dtype == torch.float32 else torch.empty(full, dtype=param_dtype, device=device)
+        # overlapped: the weights this node's phase began from, which the sync in flight will replace
+        self.base = torch.zeros_like(self.theta) if nodes.background is not None else None
+
+    @property
+    def overlaps(self) -> bool:
+        return self.nodes.background is not None
 
     def count(self, sizes: list[int], accum: int) -> None:
         """One inner step of `accum` micro-steps at the split `sizes` (rows per rank). The split may
@@ -286,6 +356,12 @@ class DiLoCo:
             flat[offset: offset + p.numel()].copy_(p.detach().reshape(-1))
             offset += p.numel()
 
+    def load_from(self, flat: torch.Tensor) -> None:
+        offset = 0
+        for p in self.params:
+            p.copy_(flat[offset: offset + p.numel()].view_as(p))
+            offset += p.numel()
+
     @property
     def sent_bytes(self) -> int:
         """What a leader sends per outer step: the others' slices of its delta, then its own slice
@@ -294,19 +370,34 @@ class DiLoCo:
         return others * (self.grad_dtype.itemsize + self.param_dtype.itemsize)
 
     @torch.no_grad()
-    def outer_step(self, mean_step_s: float) -> OuterStats:
-        """Collective over every rank; `mean_step_s` is this rank's mean inner step of the phase."""
+    def outer_step(self, mean_step_s: float, step: int = 0, overlap: bool = False) -> OuterStats:
+        """Collective over every rank; `mean_step_s` is this rank's mean inner step of the phase.
+
+        Blocking (the default), every node is at theta_global when it returns (an overlapped sync
+        still in flight lands first). `overlap` (a Background): the nodes' deltas leave in a thread
+        and each node trains on from its own weights; the sync lands at the next outer step, which
+        rebases the node's weights on the theta_global it brought (`_land`). So theta_global is one
+        phase behind the nodes: a node's progress of a phase is replaced by the nodes' average of it
+        one phase later (Streaming DiLoCo's overlap, a whole phase long)."""
         share = self.phase_share()  # every rank's count starts anew
         t0 = time.perf_counter()
         self.wait_s = 0.0
-        # (squared norm of the delta's slice, mean inner step): summed and maxed over the nodes
-        stats = torch.tensor([0.0, mean_step_s], dtype=torch.float64, device=self.params[0].device)
+        # (squared norm of the delta's slice, mean inner step, seconds in the background): summed,
+        # maxed and maxed over the nodes
+        stats = torch.tensor([0.0, mean_step_s, 0.0], dtype=torch.float64, device=self.params[0].device)
         if self.nodes.leader:
-            stats[0] = self._leader_step(share)
-            everyone = torch.empty(self.nodes.count * 2, dtype=torch.float64, device=stats.device)
-            self._wait(all_gather(everyone, stats, group=self.nodes.leaders, async_op=True))
-            rows = everyone.view(self.nodes.count, 2)
-            stats = torch.stack([rows[:, 0].sum(), rows[:, 1].max()])
+            landed = self._land()
+            if overlap:
+                self._launch(share, mean_step_s, step)
+                stats = torch.tensor([math.nan, mean_step_s, 0.0] if landed is None else
+                                     [landed.norm_sq, landed.slowest_step_s, landed.took_s],
+                                     dtype=torch.float64, device=stats.device)
+            else:
+                stats[0] = self._leader_step(share)
+                everyone = torch.empty(self.nodes.count * 3, dtype=torch.float64, device=stats.device)
+                self._wait(all_gather(everyone, stats, group=self.nodes.leaders, async_op=True))
+                rows = everyone.view(self.nodes.count, 3)
+                stats = torch.stack([rows[:, 0].sum(), rows[:, 1].max(), rows[:, 2].max()])
         if self.nodes.group is not None:  # the node's other ranks: the weights, and the stats to agree on H
             if not self.shared_params:
                 for p in self.params:
@@ -315,16 +406,29 @@ class DiLoCo:
         self.outer_steps += 1
         sync(self.params[0].device)
         return OuterStats(time.perf_counter() - t0, self.wait_s, float(stats[0]) ** 0.5,
-                          self.sent_bytes if self.nodes.leader else 0, float(stats[1]))
+                          self.sent_bytes if self.nodes.leader else 0, float(stats[1]), float(stats[2]), overlap)
 
     def _leader_step(self, share: float) -> float:
         """The outer update of this leader's slice, theta_global back on every leader and in this
         node's weights; returns the squared norm of the delta in this slice."""
         self.flatten_into(self.local)
+        self._delta(share)
+        norm_sq, waited = self._exchange(self.nodes.leaders)
+        self.wait_s += waited
+        self.load_from(self.theta)
+        return norm_sq
+
+    def _delta(self, share: float) -> None:
+        """This node's weighted delta, theta_global - theta_n (theta_n in self.local), ready to send."""
         delta = torch.sub(self.theta, self.local, out=self.local).mul_(share)
         if self.send is not delta:
             self.send.copy_(delta)
-        self._wait(dist.all_to_all_single(self.recv, self.send, group=self.nodes.leaders, async_op=True))
+
+    def _exchange(self, group: dist.ProcessGroup | None) -> tuple[float, float]:
+        """The nodes' deltas summed for this leader's slice, its outer update, and theta_global whole
+        again on every leader; returns the squared norm of the summed slice and the seconds waited."""
+        device = self.params[0].device
+        waited = wait_timed(dist.all_to_all_single(self.recv, self.send, group=group, async_op=True), device)
         summed = torch.sum(self.recv.view(self.nodes.count, self.shard), dim=0, dtype=torch.float32)
         norm_sq = float(summed.double().square().sum())
         self.momentum.mul_(self.mu).add_(summed)
@@ -332,15 +436,63 @@ class DiLoCo:
         owned = self.theta[self.lo: self.lo + self.shard]
         if self.updates is None:
             torch.add(owned, step, out=self.new_slice)
-            self._wait(all_gather(self.theta, self.new_slice, group=self.nodes.leaders, async_op=True))
+            waited += wait_timed(all_gather(self.theta, self.new_slice, group=group, async_op=True), device)
         else:  # every leader, the owner too, adds the same rounded update: theta stays identical
-            self._wait(all_gather(self.updates, step.to(self.param_dtype), group=self.nodes.leaders, async_op=True))
+            waited += wait_timed(all_gather(self.updates, step.to(self.param_dtype), group=group, async_op=True),
+                                 device)
             self.theta.add_(self.updates)
-        offset = 0
-        for p in self.params:
-            p.copy_(self.theta[offset: offset + p.numel()].view_as(p))
-            offset += p.numel()
-        return norm_sq
+        return norm_sq, waited
+
+    # ---- overlapped: the sync crosses while the next phase trains ------------------------------------
+
+    def _launch(self, share: float, mean_step_s: float, step: int) -> None:
+        """Send this node's delta of the phase that ended in the background; this node trains on from
+        its weights as they are, which the next outer step rebases (`base` remembers them)."""
+        self.flatten_into(self.base)
+        self.local.copy_(self.base)
+        self._delta(share)
+        self.landed = None
+        self.flight = threading.Thread(target=self._fly, args=(mean_step_s, step, self.outer_steps + 1),
+                                       name=f"outer-sync-{self.outer_steps + 1}", daemon=True)
+        self.flight.start()
+
+    def _fly(self, mean_step_s: float, step: int, number: int) -> None:
+        """The thread: the exchange on the background group, then the leaders' stats and a bitwise
+        checksum of theta_global (every leader must hold the same; a mismatch stops every rank)."""
+        t0 = time.perf_counter()
+        line = self.nodes.background
+        with line.watchdog.phase(f"{self.phase}, outer step {number} in the background of the inner steps", step):
+            norm_sq, _ = self._exchange(line.group)
+            # theta's bits summed as integers: exact, the same on any CPU (a float sum's order is not)
+            bits = int(self.theta.view(torch.int32).sum(dtype=torch.int64)) % (1 << 50)
+            stats = torch.tensor([norm_sq, mean_step_s, float(bits)], dtype=torch.float64, device=self.theta.device)
+            everyone = torch.empty(self.nodes.count * 3, dtype=torch.float64, device=self.theta.device)
+            all_gather(everyone, stats, group=line.group)
+        rows = everyone.view(self.nodes.count, 3)
+        differ = [n for n in range(self.nodes.count) if rows[n, 2] != rows[0, 2]]
+        if differ:
+            hosts = line.env.hosts
+            fail(line.env, EXIT_MISMATCH,
+                 f"theta_global diverged across nodes after outer step {number} (overlapped, from step {step}): "
+                 + "; ".join(f"node {n} (rank {self.nodes.ranks[n][0]}@{hosts[self.nodes.ranks[n][0]]}) differs "
+                             f"from node 0's" for n in differ)
+                 + ". The nodes are no longer training the same model; stopping every rank.")
+        self.landed = Landed(time.perf_counter() - t0, float(rows[:, 0].sum()), float(rows[:, 1].max()))
+
+    def _land(self) -> Landed | None:
+        """The overlapped sync in flight, if any: wait for it, then rebase this node's weights on the
+        theta_global it brought, theta_n - base + theta_global: the node keeps its progress since it
+        left, and the nodes' average replaces its own progress of the phase before."""
+        if self.flight is None:
+            return None
+        t0 = time.perf_counter()
+        self.flight.join()
+        self.wait_s += time.perf_counter() - t0
+        self.flight = None
+        self.flatten_into(self.local)
+        self.local.sub_(self.base).add_(self.theta)
+        self.load_from(self.local)
+        return self.landed
 
     def _wait(self, work: dist.Work) -> None:
         self.wait_s += wait_timed(work, self.params[0].device)
@@ -348,6 +500,7 @@ class DiLoCo:
     # ---- checkpointing: theta_global is the model at a boundary; each leader keeps its slice --------
 
     def state_dict(self) -> dict:
+        assert self.flight is None, "a checkpoint is taken only where every node is at theta_global"
         state = {"nodes": self.nodes.count, "node": self.nodes.index, "outer_steps": self.outer_steps}
         if self.nodes.leader:
             state["momentum"] = self.momentum.clone()

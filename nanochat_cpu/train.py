@@ -72,11 +72,13 @@ from .sync_diloco import (
     DiLoCo,
     Nodes,
     OuterSchedule,
+    OuterStats,
     choose_sync_every,
     find_nodes,
     first_outer_phase,
     keep_synchronous,
     node_token_share,
+    open_background,
     warm_up_end,
 )
 from .sync_strategy import WIRE_DTYPES
@@ -288,6 +290,8 @@ def find_local_step_nodes(cfg: TrainConfig, env: DistEnv, watchdog: Watchdog) ->
         log(env, f"--sync-every {cfg.sync_every}: every rank is on one node, there is nothing to sync between "
                  f"nodes: every step is synchronous")
         return None
+    if cfg.outer_overlap == "on":
+        nodes.background = open_background(env, nodes, watchdog, cfg.collective_timeout)
     return nodes
 
 
@@ -319,7 +323,9 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
              f"{share:.1%} of each inner step's tokens; outer sync every "
              f"{schedule.every or f'auto (first after {schedule.first - start})'} steps from step {start}, outer lr "
              f"{cfg.outer_lr} Nesterov momentum {cfg.outer_momentum}{average}, "
-             f"{diloco.sent_bytes / 2**20:.1f} MiB sent per outer step by the node's first rank")
+             f"{diloco.sent_bytes / 2**20:.1f} MiB sent per outer step by the node's first rank"
+             + ("; each crosses in the background of the next inner phase (--outer-overlap on), but before an "
+                "evaluation, a sample, a checkpoint or the last step" if diloco.overlaps else ""))
     return diloco, schedule
 
 
@@ -415,25 +421,52 @@ def stepping_loss_scale(env: DistEnv, nodes: Nodes | None, sizes: list[int], acc
 
 
 def outer_sync(env: DistEnv, tracker: Tracker, diloco: DiLoCo, schedule: OuterSchedule, step: int,
-               last_step_s: float, watchdog: Watchdog):
-    """The nodes meet: the outer step, its line and metrics; with auto, the first one chooses H."""
+               last_step_s: float, watchdog: Watchdog, whole: bool) -> OuterStats:
+    """The nodes meet: the outer step, its line and metrics; with auto, the first one chooses H.
+    With --outer-overlap on it leaves in the background unless the nodes must be `whole` after it
+    (at theta_global) or auto times it."""
+    overlap = diloco.overlaps and not whole and schedule.every is not None
     with watchdog.phase(diloco.phase, step):
-        outer = diloco.outer_step(last_step_s)
-    if schedule.every is None:  # every rank must choose the same H, from the same two figures:
+        outer = diloco.outer_step(last_step_s, step, overlap)
+    if schedule.every is None:  # every rank must choose the same H, from the same figures:
         # the shortest sync any rank saw, the last node's to arrive (the others' also holds their
-        # wait for it, which is the inner phases' imbalance, not the wire's), and the slowest step
-        seen = torch.tensor([-outer.sync_s, outer.slowest_step_s], dtype=torch.float64, device=env.device)
+        # wait for it, which is the inner phases' imbalance, not the wire's), and the slowest step;
+        # overlapped, the most any rank's sync did but wait
+        seen = torch.tensor([-outer.sync_s, outer.slowest_step_s, outer.sync_s - outer.wait_s],
+                            dtype=torch.float64, device=env.device)
         with watchdog.phase("all_reduce outer sync seconds", step):
             dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-        schedule.every, why = choose_sync_every(-float(seen[0]), float(seen[1]))
+        work_s = float(seen[2]) if diloco.overlaps else None
+        schedule.every, why = choose_sync_every(-float(seen[0]), float(seen[1]), work_s)
         log(env, f"sync-every auto: H={schedule.every} ({why})")
+    if outer.overlapped:
+        landed = "none in flight before it"
+        if outer.background_s:
+            landed = (f"the one before landed after {outer.background_s:.2f}s in the background, "
+                      f"pseudo_grad_norm={outer.pseudo_grad_norm:.4f}")
+        how = f"overlapped: it crosses in the background of the next phase; {landed}"
+    else:
+        how = f"pseudo_grad_norm={outer.pseudo_grad_norm:.4f}"
     log(env, f"outer step {diloco.outer_steps} at step {step:05d}: sync_s={outer.sync_s:.2f} "
-             f"wait_s={outer.wait_s:.2f} pseudo_grad_norm={outer.pseudo_grad_norm:.4f} "
-             f"sent_mb={outer.sent_bytes / 1e6:.1f} H={schedule.every}")
-    tracker.log_metrics({"outer_step": diloco.outer_steps, "outer_sync_s": outer.sync_s,
-                         "outer_wait_s": outer.wait_s, "pseudo_grad_norm": outer.pseudo_grad_norm,
-                         "outer_sent_mb": outer.sent_bytes / 1e6}, step)
+             f"wait_s={outer.wait_s:.2f} sent_mb={outer.sent_bytes / 1e6:.1f} H={schedule.every} {how}")
+    metrics = {"outer_step": diloco.outer_steps, "outer_sync_s": outer.sync_s, "outer_wait_s": outer.wait_s,
+               "outer_sent_mb": outer.sent_bytes / 1e6}
+    if math.isfinite(outer.pseudo_grad_norm):
+        metrics["pseudo_grad_norm"] = outer.pseudo_grad_norm
+    if outer.background_s:
+        metrics["outer_background_s"] = outer.background_s
+    tracker.log_metrics(metrics, step)
     return outer
+
+
+def whole_after(cfg: TrainConfig, schedule: OuterSchedule, step: int, stopping: bool) -> bool:
+    """Whether every node must be at theta_global once boundary `step`'s outer sync is done, so that
+    it cannot overlap the next phase: the last step, a stop, and an evaluation, a sample or a
+    checkpoint due in the phase that ended (they read or save the model; a checkpoint then needs
+    nothing in flight to resume from)."""
+    due = any(period != NEVER and schedule.due(period, step)
+              for period in (cfg.eval_every, cfg.sample_every, cfg.checkpoint_every))
+    return step == cfg.num_iterations or stopping or due
 
 
 def log_parameters(env: DistEnv, cfg: TrainConfig, model: GPT, fpt: int) -> None:
@@ -691,10 +724,11 @@ def run(cfg: TrainConfig) -> int:
         # the nodes meet at an outer boundary; only there is every node at theta_global, so
         # checksums, evaluations and checkpoints wait for one (every step is one when synchronous)
         boundary = schedule.boundary(step)
-        outer_wait = 0.0
+        outer_wait, overlapped = 0.0, False
         if diloco is not None and boundary:
-            outer = outer_sync(env, tracker, diloco, schedule, step, time.perf_counter() - t0, watchdog)
-            outer_wait = outer.wait_s
+            outer = outer_sync(env, tracker, diloco, schedule, step, time.perf_counter() - t0, watchdog,
+                               whole_after(cfg, schedule, step, stopping))
+            outer_wait, overlapped = outer.wait_s, outer.overlapped
             comm_wait += outer_wait
         dt = time.perf_counter() - t0
         phase.add(t_compute, comm_wait, dt, outer_wait)
@@ -756,8 +790,9 @@ def run(cfg: TrainConfig) -> int:
                                           said_speed, local_steps=diloco is not None, last=last,
                                           warm_up_until=warm_until if diloco is None else 0)
         phase = PhaseTimes()
-        if env.distributed and (step == schedule.first or diloco is not None or schedule.due(cfg.checksum_every, step)
-                                or last):
+        # (overlapped, each node trains on from its own weights: the sync's thread compares theta_global)
+        if env.distributed and not overlapped and (step == schedule.first or diloco is not None
+                                                   or schedule.due(cfg.checksum_every, step) or last):
             check_parameters_agree(env, model, step, watchdog)
         if cfg.eval_every != NEVER and (schedule.due(cfg.eval_every, step) or last):
             bpb = evaluate_bpb(model, cfg, env, tokenizer, token_bytes, ctx, watchdog, step)

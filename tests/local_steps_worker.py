@@ -9,7 +9,13 @@ each node's first rank writes its parameters before each outer step (OUT/node{n}
 rank 0 theta_global before and after each (OUT/global.{k}.pt), for the test to recompute.
 `diverge`: one inner step and an outer step, then the last node's theta_global is nudged; the
 cross-rank checksum the trainer runs after every outer step must stop every rank.
+`overlapped OUT ROWS`: as `weighted`, over three phases, the first two outer steps overlapped (each
+lands at the next), the last one not; each node's first rank writes its parameters before each
+outer step (OUT/node{n}.{k}.pt), rank 0 the initial and final ones (OUT/global.0.pt, global.3.pt).
+`diverge-overlapped`: the last node's theta_global is nudged before an overlapped outer step (bf16
+updates, which every leader adds to its own theta): the sync's thread must stop every rank.
 LOCAL_COMM=auto|gloo: the node's ranks share memory (where there are two) or step through Gloo.
+OVERLAP=1 (`identical`): every outer step but the last overlaps the next phase.
 """
 
 from __future__ import annotations
@@ -25,14 +31,15 @@ from nanochat_cpu.config import TrainConfig
 from nanochat_cpu.dist import Watchdog, check_parameters_agree
 from nanochat_cpu.optim import build_optimizer
 from nanochat_cpu.shm import make_arena
-from nanochat_cpu.sync_diloco import DiLoCo, find_nodes
+from nanochat_cpu.sync_diloco import DiLoCo, find_nodes, open_background
 from tests.dist_worker import GLOBAL_ROWS, SEQ, VOCAB, make_model, setup
 
 STEPS = 4
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # `weighted`: DiLoCo's published outer step, momentum and all
 
 
-def build(outer_lr: float, outer_momentum: float, rows: list[int]):
+def build(outer_lr: float, outer_momentum: float, rows: list[int], overlap: bool = False,
+          param_dtype: torch.dtype = torch.float32):
     """The model, the node's inner optimizer and the outer one (None alone), and this rank's slice
     of a global batch of sum(rows) rows: its node's rows, shared evenly by the node's ranks."""
     env = setup()
@@ -45,6 +52,8 @@ def build(outer_lr: float, outer_momentum: float, rows: list[int]):
     else:
         watchdog = Watchdog(env, 120)
         nodes = find_nodes(env, watchdog)
+        if overlap:
+            nodes.background = open_background(env, nodes, watchdog, 120)
         arena, _ = make_arena(os.environ.get("LOCAL_COMM", "auto"), nodes.rank_in_node, nodes.size, env.device,
                               model, nodes.group)
         opt = build_optimizer(model, cfg, nodes.rank_in_node, nodes.size, torch.float32, arena, nodes.group)
@@ -53,7 +62,7 @@ def build(outer_lr: float, outer_momentum: float, rows: list[int]):
         per_rank = node_rows // nodes.size
         share = slice(start + nodes.rank_in_node * per_rank, start + (nodes.rank_in_node + 1) * per_rank)
         weight = node_rows / (sum(rows) if len(rows) == nodes.count else node_rows * nodes.count)
-        diloco = DiLoCo(model, nodes, weight, outer_lr, outer_momentum, torch.float32, torch.float32,
+        diloco = DiLoCo(model, nodes, weight, outer_lr, outer_momentum, torch.float32, param_dtype,
                         shared_params=arena is not None)
     for g in opt.groups:
         # tiny gradients summed in another order stay small steps: at 1e-6 one embedding entry of
@@ -76,12 +85,12 @@ def save(model, path: Path) -> None:
 
 def identical(out: str, every: int) -> None:
     rows = [GLOBAL_ROWS]  # every node the same rows
-    env, model, opt, diloco, share = build(1.0, 0.0, rows)
+    env, model, opt, diloco, share = build(1.0, 0.0, rows, overlap=os.environ.get("OVERLAP") == "1")
     gen = torch.Generator().manual_seed(3)
     for step in range(1, STEPS + 1):
         inner_step(model, opt, torch.randint(0, VOCAB, (GLOBAL_ROWS, SEQ + 1), generator=gen), share, GLOBAL_ROWS)
         if diloco is not None and (step % every == 0 or step == STEPS):
-            diloco.outer_step(0.0)
+            diloco.outer_step(0.0, step, overlap=diloco.overlaps and step < STEPS)
     if env.rank == 0:
         save(model, Path(out))
 
@@ -117,12 +126,49 @@ def diverge() -> None:
     print(f"rank {env.rank}: parameters agree", flush=True)
 
 
+def overlapped(out: str, rows_arg: str) -> None:
+    rows = [int(r) for r in rows_arg.split(",")]
+    env, model, opt, diloco, share = build(OUTER_LR, OUTER_MOMENTUM, rows, overlap=True)
+    node_rows = rows[diloco.nodes.index]
+    gen = torch.Generator().manual_seed(3)
+    if env.rank == 0:
+        save(model, Path(out) / "global.0.pt")
+    for k in range(3):
+        for _ in range(2):
+            inner_step(model, opt, torch.randint(0, VOCAB, (sum(rows), SEQ + 1), generator=gen), share, node_rows)
+        if diloco.nodes.leader:
+            save(model, Path(out) / f"node{diloco.nodes.index}.{k}.pt")
+        outer = diloco.outer_step(0.0, 2 * k + 2, overlap=k < 2)
+        assert outer.overlapped == (k < 2)
+    if env.rank == 0:
+        save(model, Path(out) / "global.3.pt")
+    check_parameters_agree(env, model, 6, Watchdog(env, 120))
+
+
+def diverge_overlapped() -> None:
+    env, model, opt, diloco, share = build(TrainConfig.outer_lr, TrainConfig.outer_momentum, [GLOBAL_ROWS],
+                                           overlap=True, param_dtype=torch.bfloat16)
+    gen = torch.Generator().manual_seed(3)
+    for step in (1, 2):
+        inner_step(model, opt, torch.randint(0, VOCAB, (GLOBAL_ROWS, SEQ + 1), generator=gen), share, GLOBAL_ROWS)
+        if step == 2 and diloco.nodes.index == diloco.nodes.count - 1 and diloco.nodes.leader:
+            diloco.flight.join()  # the first sync's thread is done with theta
+            diloco.theta[0] += 1e-3  # the bf16 updates are added to it: the nudge stays
+        diloco.outer_step(0.0, step, overlap=True)
+    diloco.outer_step(0.0, 3)  # lands the second: its thread stopped every rank before
+    print(f"rank {env.rank}: theta_global agrees", flush=True)
+
+
 if __name__ == "__main__":
     mode = sys.argv[1]
     if mode == "identical":
         identical(sys.argv[2], int(sys.argv[3]))
     elif mode == "weighted":
         weighted(sys.argv[2], sys.argv[3])
+    elif mode == "overlapped":
+        overlapped(sys.argv[2], sys.argv[3])
+    elif mode == "diverge-overlapped":
+        diverge_overlapped()
     else:
         diverge()
     if dist.is_initialized():  # every rank done before the groups go: torn down at exit, Gloo aborts

@@ -101,3 +101,10 @@ def test_the_controller_s_check_reports_a_bound_in_parts() -> None:
     verdict = config.check(["--depth", "100000"], world_size=1)
     assert (verdict["ok"], verdict["field"], verdict["value"]) == (False, "depth", "100000")
     assert verdict["problem"].startswith("must be at most 64 (") and "fix: --depth 64 or less" in verdict["problem"]
+
+
+def test_outer_overlap_needs_local_steps() -> None:
+    assert ("--outer-overlap=on: overlaps the outer syncs of local steps: it needs --sync-every above 1 or auto"
+            in str(problem_of(outer_overlap="on")))
+    assert problem_of(outer_overlap="on", sync_every="auto") is None
+    assert problem_of(outer_overlap="on", sync_every="8") is None

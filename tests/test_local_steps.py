@@ -90,16 +90,21 @@ def one_node(tmp_path_factory) -> dict[str, torch.Tensor]:
     return torch.load(out)
 
 
-@pytest.mark.parametrize(("nodes", "nproc", "every", "local_comm"),
-                         [(2, 1, 1, "auto"), (3, 1, 3, "auto"), (2, 2, 2, "auto"), (2, 2, 4, "gloo")])
-def test_nodes_fed_identical_batches_end_as_one_node_alone(nodes, nproc, every, local_comm, one_node, tmp_path):
+@pytest.mark.parametrize(("nodes", "nproc", "every", "local_comm", "overlap"),
+                         [(2, 1, 1, "auto", "0"), (3, 1, 3, "auto", "0"), (2, 2, 2, "auto", "0"),
+                          (2, 2, 4, "gloo", "0"), (3, 1, 1, "auto", "1"), (2, 2, 1, "gloo", "1")])
+def test_nodes_fed_identical_batches_end_as_one_node_alone(nodes, nproc, every, local_comm, overlap, one_node,
+                                                           tmp_path):
     """Outer lr 1, momentum 0: the outer step is the nodes' average, so nodes that saw the same
     batches end where one node alone does, whether a node is one rank or two (shared memory or
-    Gloo within the node), at H = 1 and H > 1: the outer sync's own communication is exact. (Not
-    bit for bit: theta_global - (theta_global - theta_n) rounds, and Adam's small eps turns the
-    embeddings' tiniest gradients' rounding into visible steps: the N-rank tests' tolerance.)"""
+    Gloo within the node), at H = 1 and H > 1, and with the outer syncs overlapping the next phase
+    (each node rebased on theta_global one phase late: the same weights, as the nodes agree):
+    the outer sync's own communication is exact. (Not bit for bit: theta_global - (theta_global -
+    theta_n) rounds, and Adam's small eps turns the embeddings' tiniest gradients' rounding into
+    visible steps: the N-rank tests' tolerance.)"""
     out = tmp_path / "params.pt"
-    assert_ok(run_nodes(nodes, [WORKER, "identical", str(out), str(every)], nproc, {"LOCAL_COMM": local_comm}))
+    assert_ok(run_nodes(nodes, [WORKER, "identical", str(out), str(every)], nproc,
+                        {"LOCAL_COMM": local_comm, "OVERLAP": overlap}))
     got = torch.load(out)
     assert got.keys() == one_node.keys() and len(got) > 10
     for name, ref in one_node.items():
@@ -123,6 +128,44 @@ def test_outer_step_is_the_token_weighted_nesterov_update(tmp_path):
             torch.testing.assert_close(after[name], expected, rtol=1e-5, atol=1e-6, msg=f"{name}, outer step {k}")
         # the nodes really trained apart: their parameters differ before the sync
         assert not torch.equal(inner[0]["lm_head.weight"], inner[2]["lm_head.weight"])
+
+
+def test_overlapped_outer_steps_land_one_phase_late_as_the_update_defines(tmp_path):
+    """Different batches on 3 nodes taking 1, 2 and 3 rows, outer lr 0.7 and Nesterov 0.9, the first
+    two outer steps overlapped: each node trains on from its own weights while a sync crosses, and
+    when it lands the node's weights are its progress since plus the theta_global it brought. The
+    final weights (the third outer step blocks) are what that recurrence gives from each node's
+    weights before each outer step; plain DiLoCo's would differ."""
+    rows = [1, 2, 3]
+    assert_ok(run_nodes(3, [WORKER, "overlapped", str(tmp_path), ",".join(map(str, rows))]))
+    lr, mu = OUTER_LR, OUTER_MOMENTUM
+    theta = torch.load(tmp_path / "global.0.pt")
+    base = [dict(theta) for _ in rows]  # the weights each node's phase began from
+    momentum = {name: torch.zeros_like(t) for name, t in theta.items()}
+    for k in range(3):
+        before = [torch.load(tmp_path / f"node{n}.{k}.pt") for n in range(3)]
+        new_theta = {}
+        for name in theta:
+            rebased = [node[name] - b[name] + theta[name] for node, b in zip(before, base, strict=True)]
+            delta = sum(w / sum(rows) * (theta[name] - r) for w, r in zip(rows, rebased, strict=True))
+            momentum[name] = mu * momentum[name] + delta
+            new_theta[name] = theta[name] - lr * (delta + mu * momentum[name])
+            for b, r in zip(base, rebased, strict=True):
+                b[name] = r
+        theta = new_theta
+        assert not torch.equal(before[0]["lm_head.weight"], before[2]["lm_head.weight"])
+    got = torch.load(tmp_path / "global.3.pt")
+    for name, expected in theta.items():
+        torch.testing.assert_close(got[name], expected, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_the_overlapped_syncs_thread_stops_every_rank_when_a_nodes_theta_global_diverged():
+    results = run_nodes(2, [WORKER, "diverge-overlapped"], nproc=2)
+    out = "".join(o for _, o in results)
+    assert all(code != 0 for code, _ in results), out
+    assert "theta_global agrees" not in out
+    assert re.search(r"theta_global diverged across nodes after outer step 2 \(overlapped, from step 2\): node 1 "
+                     r"\(rank 2@\S+\) differs from node 0's", out), out
 
 
 def test_checksum_guard_stops_every_rank_when_a_nodes_theta_global_diverged():
@@ -166,14 +209,56 @@ def test_trainer_local_steps_resume_reproduces_losses(tiny_data_dir, tiny_tokeni
         assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
 
 
-def test_trainer_auto_picks_one_h_on_every_rank_of_two_two_rank_nodes(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+def test_trainer_overlapped_syncs_land_a_phase_late_and_a_resume_from_a_whole_boundary_reproduces_losses(
+        tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """Two nodes at H = 2 with --outer-overlap on and a checkpoint due every 6 steps: the syncs at
+    steps 2, 4, 8 and 10 cross in the background of the next phase (4 and 10 land the ones before),
+    those at 6 and 12 block, so that the checkpoints hold theta_global and nothing in flight; a run
+    that died after step 6 resumes from it with the uninterrupted run's losses."""
+    def flags(node: int) -> list[str]:
+        return train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=2,
+                                        outer_overlap="on", checkpoint_every=6, sync_warmup_ratio=0))
+
+    first = two_nodes(flags)
+    full = losses(first)
+    assert sorted(full) == list(range(1, 13))
+    assert "each crosses in the background of the next inner phase (--outer-overlap on)" in first
+    lines = dict(re.findall(r"outer step \d+ at step (\d+): .*? H=2 (.*)", first))
+    assert sorted(lines) == ["00002", "00004", "00006", "00008", "00010", "00012"], first
+    for step in ("00002", "00008"):
+        assert lines[step].startswith("overlapped: it crosses in the background of the next phase; none in flight")
+    for step in ("00004", "00010"):
+        assert re.match(r"overlapped: .*; the one before landed after [\d.]+s in the background, pseudo_grad_norm=",
+                        lines[step]), lines[step]
+    for step in ("00006", "00012"):
+        assert lines[step].startswith("pseudo_grad_norm="), lines[step]
+    for node in range(2):
+        step_dir = tmp_path / f"n{node}" / "checkpoints" / "step_000012"
+        for f in step_dir.iterdir():
+            f.unlink()
+        step_dir.rmdir()
+    second = two_nodes(flags)
+    assert "resumed from checkpoint step 6" in second
+    resumed = losses(second)
+    assert sorted(resumed) == list(range(7, 13))
+    for step, loss in resumed.items():
+        assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_trainer_auto_picks_one_h_on_every_rank_of_two_two_rank_nodes(overlap, tiny_data_dir, tiny_tokenizer_dir,
+                                                                      tmp_path):
+    """Overlapped, auto times its first outer sync blocking all the same, and then needs only the
+    phase that sync takes to cross (and its own work held to 5%): every rank picks the same H."""
     results = run_nodes(2, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, sync_every="auto",
-                                                    sync_warmup_ratio=0, checkpoint_every=0, total_batch_size=512)),
+                                                    sync_warmup_ratio=0, checkpoint_every=0, total_batch_size=512,
+                                                    outer_overlap=overlap)),
                         nproc=2)
     out = assert_ok(results)
-    chosen = re.findall(r"rank (\d)/4\] sync-every auto: H=(\d+) \(outer sync [0-9.]+ s, slowest node's inner step",
-                        out)
-    assert sorted(r for r, _ in chosen) == ["0", "1", "2", "3"] and len({h for _, h in chosen}) == 1, out
+    chosen = re.findall(r"rank (\d)/4\] sync-every auto: H=(\d+) \(outer sync [0-9.]+ s, ([^)]*)", out)
+    assert sorted(r for r, _, _ in chosen) == ["0", "1", "2", "3"] and len({h for _, h, _ in chosen}) == 1, out
+    overlapped = {"overlapped, it lands within the next phase" in why for _, _, why in chosen}
+    assert overlapped == {overlap == "on"}, out
     assert out.count("share parameters, gradients and optimizer state") == 4  # within each node: shared memory
     assert "eval step 00012 val_bpb=" in out
 
@@ -674,6 +759,19 @@ def test_auto_keeps_the_sync_under_five_percent_and_says_when_capped():
     assert choose_sync_every(0.001, 4.0)[0] == 1
     h, why = choose_sync_every(sync_s=100.0, step_s=1.0)
     assert h == AUTO_MAX_H and "capped" in why and "of the wall time is the sync" in why
+
+
+def test_auto_overlapped_needs_the_phase_the_sync_takes_to_cross_and_holds_its_own_work_to_five_percent():
+    """Overlapped, a sync costs no wait where it lands within the next phase (1.5x its time, as the
+    steps slow while it crosses); what the node does itself at a boundary is held to 5% instead."""
+    h, why = choose_sync_every(sync_s=4.5, step_s=2.0, work_s=0.05)
+    assert h == 4 and "lands within the next phase at H >= 3.4" in why  # 1.5 * 4.5 / 2, where blocking needs 43
+    assert choose_sync_every(sync_s=4.5, step_s=2.0)[0] == 43
+    h, why = choose_sync_every(sync_s=1.0, step_s=2.0, work_s=1.0)
+    assert h == 10 and "at most 5% at H >= 9.5" in why  # the node's own work sets it
+    assert choose_sync_every(sync_s=0.01, step_s=2.0, work_s=0.0)[0] == AUTO_FIRST_PHASE
+    h, why = choose_sync_every(sync_s=300.0, step_s=1.0, work_s=0.1)
+    assert h == AUTO_MAX_H and "capped" in why and "may not land within a phase" in why
 
 
 def test_compile_auto_decides_on_nodes_of_two_ranks_and_one(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
