@@ -248,6 +248,8 @@ def trainer_flags(args: argparse.Namespace, depth: int, world: int, split: str, 
     for name in ("outer_lr", "outer_momentum", "sync_warmup_ratio"):  # unset: the trainer's defaults
         if getattr(args, name) is not None:
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if args.outer_overlap is not None and sync_every != "1":  # nothing to overlap: the trainer refuses it
+        flags += ["--outer-overlap", args.outer_overlap]
     return flags
 
 
@@ -426,6 +428,8 @@ def main() -> int:
                    help="passed to the trainer (default 0: the local rows measure local steps; a run's synchronous "
                         "warm-up trains at the H = 1 row's speed)")
     p.add_argument("--outer-momentum", type=float, default=None, help="passed to the trainer (default: its own)")
+    p.add_argument("--outer-overlap", choices=("on", "off"), default=None,
+                   help="passed to the trainer's local-steps runs (default: its own)")
     p.add_argument("--steps", type=int, default=4, help="steps of a --sync-every 1 run")
     p.add_argument("--auto-steps", type=int, default=100, help="steps of a --sync-every auto run")
     p.add_argument("--auto-periods", type=int, default=0,

@@ -118,7 +118,8 @@ def batch_problem(rows: list[str], nodes: int, device_batch: int, seq: int, tota
     return f"--total-batch-size={total} is not divisible by {which}. Nearest valid: {nearest}."
 
 
-PASSED_ON = ("outer_lr", "outer_momentum", "sync_warmup_ratio", "grad_comm_dtype", "param_comm_dtype")  # when given
+PASSED_ON = ("outer_lr", "outer_momentum", "outer_overlap", "sync_warmup_ratio", "grad_comm_dtype",
+             "param_comm_dtype")  # when given
 
 
 def settings_of(args: argparse.Namespace, steps: int) -> dict[str, Any]:
@@ -136,6 +137,8 @@ def trainer_flags(args: argparse.Namespace, steps: int, sync_every: str, out_dir
              "--tracking-uri", "none", "--run-name", "quality", "--data-dir", str(args.data_dir),
              "--tokenizer-dir", str(args.tokenizer_dir), "--out-dir", str(out_dir)]
     for name in PASSED_ON:  # unset: the trainer's defaults
+        if name == "outer_overlap" and sync_every == "1":  # no outer syncs to overlap: the trainer refuses it
+            continue
         if getattr(args, name) is not None:
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     return flags
@@ -281,6 +284,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--outer-lr", type=float, default=None, help="passed to the trainer (default: its own)")
     p.add_argument("--sync-warmup-ratio", type=float, default=None, help="passed to the trainer (default: its own)")
     p.add_argument("--outer-momentum", type=float, default=None, help="passed to the trainer (default: its own)")
+    p.add_argument("--outer-overlap", choices=("on", "off"), default=None,
+                   help="passed to the trainer's DiLoCo rows (default: its own)")
     for name in ("--grad-comm-dtype", "--param-comm-dtype"):  # what the wire's rounding costs
         p.add_argument(name, choices=("float32", "bfloat16"), default=None,
                        help="passed to the trainer (default: its own)")

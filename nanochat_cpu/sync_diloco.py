@@ -77,7 +77,7 @@ AUTO_FIRST_PHASE = 2  # inner steps before auto's first, timed, outer sync: the 
 AUTO_WIRE_SHARE = 0.05  # auto: the outer sync at most this share of the wall time
 AUTO_MAX_H = 100  # auto never goes past the published range (H 30-100): quality drops beyond it
 AUTO_TIMED_STEPS = 2  # synchronous steps auto times before it chooses them or local steps
-AUTO_OVERLAP_SLACK = 1.5  # auto, overlapped: a phase this many times the sync's time, so that it lands within it
+AUTO_OVERLAP_SLACK = 1.5  # overlapped: a sync is given this many times its time to cross before it lands
 
 
 # ---- which ranks form a node ---------------------------------------------------------------------
@@ -169,6 +169,7 @@ class OuterSchedule:
     every: int | None
     last: int
     start: int = 0
+    land_after: int | None = None  # --outer-overlap: inner steps an overlapped sync crosses in (None: not timed yet)
 
     def boundary(self, step: int) -> bool:
         if step == self.last or step == self.first:
@@ -191,20 +192,19 @@ def choose_sync_every(sync_s: float, step_s: float, work_s: float | None = None)
     """H such that one sync per H inner steps is at most AUTO_WIRE_SHARE of the wall time, and why.
 
     Overlapped (`work_s`: what of a sync the node still does itself, between two steps: its weights
-    read, rebased and handed on), the wire's time is no wait where the sync lands within the next
-    phase: H steps of AUTO_OVERLAP_SLACK times its time (the inner steps slow while it crosses, and a
-    link's speed varies). That work is held to the share instead; a smaller H trains better."""
+    read, rebased and handed on), the wire's time is no wait where the sync has landed before the
+    next one leaves: H no less than the steps it is given to cross (`landing_steps`). That work is
+    held to the share instead; a smaller H trains better."""
     ratio = (1 - AUTO_WIRE_SHARE) / AUTO_WIRE_SHARE  # sync / (H step + sync) <= share  <=>  H >= ratio * sync / step
     if work_s is not None:
-        land = AUTO_OVERLAP_SLACK * sync_s / max(step_s, 1e-9)
-        need = max(land, ratio * work_s / max(step_s, 1e-9))
-        h = min(AUTO_MAX_H, max(AUTO_FIRST_PHASE, math.ceil(need)))
+        land, _ = landing_steps(sync_s, step_s, AUTO_MAX_H)
+        own = ratio * work_s / max(step_s, 1e-9)
+        h = min(AUTO_MAX_H, max(AUTO_FIRST_PHASE, land, math.ceil(own)))
         why = (f"outer sync {sync_s:.2f} s, {work_s:.2f} s of it this node's own work, slowest node's inner step "
-               f"{step_s:.2f} s: overlapped, it lands within the next phase at H >= {land:.1f} "
-               f"({AUTO_OVERLAP_SLACK}x its time), and its own work is at most {AUTO_WIRE_SHARE:.0%} at H >= "
-               f"{ratio * work_s / max(step_s, 1e-9):.1f}")
-        if h < need:
-            why += f"; capped at {AUTO_MAX_H} (published range), so a sync may not land within a phase"
+               f"{step_s:.2f} s: overlapped, it crosses in {land} inner steps, and its own work is at most "
+               f"{AUTO_WIRE_SHARE:.0%} at H >= {own:.1f}")
+        if h < max(land, own):
+            why += f"; capped at {AUTO_MAX_H} (published range), so its own work is more"
         return h, why
     need = ratio * sync_s / max(step_s, 1e-9)
     h = min(AUTO_MAX_H, max(1, math.ceil(need)))
@@ -214,6 +214,20 @@ def choose_sync_every(sync_s: float, step_s: float, work_s: float | None = None)
     if h < need:
         why += f"; capped at {AUTO_MAX_H} (published range), so {share:.0%} of the wall time is the sync"
     return h, why
+
+
+def landing_steps(sync_s: float, step_s: float, every: int) -> tuple[int, str]:
+    """--outer-overlap: the inner steps after its boundary at which an overlapped sync lands, and why:
+    AUTO_OVERLAP_SLACK times the steps the first (timed, blocking) sync would take (the inner steps
+    slow while it crosses, and a link's speed varies), at least 1 and at most H (it lands at the next
+    boundary then). The sooner it lands, the less the nodes' own progress stands in for their average."""
+    need = AUTO_OVERLAP_SLACK * sync_s / max(step_s, 1e-9)
+    steps = min(every, max(1, math.ceil(need)))
+    why = (f"outer sync {sync_s:.2f} s, slowest node's inner step {step_s:.2f} s: {AUTO_OVERLAP_SLACK}x its time "
+           f"is {need:.1f} steps")
+    if steps == every:
+        why += f", so it lands at the next boundary (H = {every})"
+    return steps, why
 
 
 def keep_synchronous(wire_share: float | None) -> tuple[bool, str]:
@@ -313,6 +327,7 @@ class DiLoCo:
         self.outer_steps = 0
         self.wait_s = 0.0  # of the last outer step
         self.flight: threading.Thread | None = None  # an overlapped sync under way (leaders only)
+        self.lands_at: int | None = None  # the step it lands at, mid-phase (every rank of the node knows)
         self.landed: Landed | None = None  # what it agreed on, once done
         self.numel = sum(p.numel() for p in self.params)
         self.shard = -(-self.numel // nodes.count)
@@ -370,15 +385,16 @@ class DiLoCo:
         return others * (self.grad_dtype.itemsize + self.param_dtype.itemsize)
 
     @torch.no_grad()
-    def outer_step(self, mean_step_s: float, step: int = 0, overlap: bool = False) -> OuterStats:
+    def outer_step(self, mean_step_s: float, step: int = 0, overlap: bool = False,
+                   land_at: int | None = None) -> OuterStats:
         """Collective over every rank; `mean_step_s` is this rank's mean inner step of the phase.
 
         Blocking (the default), every node is at theta_global when it returns (an overlapped sync
         still in flight lands first). `overlap` (a Background): the nodes' deltas leave in a thread
-        and each node trains on from its own weights; the sync lands at the next outer step, which
-        rebases the node's weights on the theta_global it brought (`_land`). So theta_global is one
-        phase behind the nodes: a node's progress of a phase is replaced by the nodes' average of it
-        one phase later (Streaming DiLoCo's overlap, a whole phase long)."""
+        and each node trains on from its own weights; the sync lands at step `land_at` (`land`, a
+        collective over the node's ranks) or else at the next outer step, and rebases the node's
+        weights on the theta_global it brought (`_land`). Until then a node's own progress of the
+        phase stands in for the nodes' average of it (Streaming DiLoCo's overlap)."""
         share = self.phase_share()  # every rank's count starts anew
         t0 = time.perf_counter()
         self.wait_s = 0.0
@@ -388,7 +404,7 @@ class DiLoCo:
         if self.nodes.leader:
             landed = self._land()
             if overlap:
-                self._launch(share, mean_step_s, step)
+                self._launch(share, mean_step_s, step, land_at)
                 stats = torch.tensor([math.nan, mean_step_s, 0.0] if landed is None else
                                      [landed.norm_sq, landed.slowest_step_s, landed.took_s],
                                      dtype=torch.float64, device=stats.device)
@@ -404,6 +420,7 @@ class DiLoCo:
                     dist.broadcast(p.data, group=self.nodes.group, group_src=0)
             self._wait(dist.broadcast(stats, group=self.nodes.group, group_src=0, async_op=True))
         self.outer_steps += 1
+        self.lands_at = land_at if overlap else None
         sync(self.params[0].device)
         return OuterStats(time.perf_counter() - t0, self.wait_s, float(stats[0]) ** 0.5,
                           self.sent_bytes if self.nodes.leader else 0, float(stats[1]), float(stats[2]), overlap)
@@ -445,23 +462,25 @@ class DiLoCo:
 
     # ---- overlapped: the sync crosses while the next phase trains ------------------------------------
 
-    def _launch(self, share: float, mean_step_s: float, step: int) -> None:
+    def _launch(self, share: float, mean_step_s: float, step: int, land_at: int | None) -> None:
         """Send this node's delta of the phase that ended in the background; this node trains on from
         its weights as they are, which the next outer step rebases (`base` remembers them)."""
         self.flatten_into(self.base)
         self.local.copy_(self.base)
         self._delta(share)
         self.landed = None
-        self.flight = threading.Thread(target=self._fly, args=(mean_step_s, step, self.outer_steps + 1),
+        self.flight = threading.Thread(target=self._fly, args=(mean_step_s, step, self.outer_steps + 1, land_at),
                                        name=f"outer-sync-{self.outer_steps + 1}", daemon=True)
         self.flight.start()
 
-    def _fly(self, mean_step_s: float, step: int, number: int) -> None:
+    def _fly(self, mean_step_s: float, step: int, number: int, land_at: int | None) -> None:
         """The thread: the exchange on the background group, then the leaders' stats and a bitwise
         checksum of theta_global (every leader must hold the same; a mismatch stops every rank)."""
         t0 = time.perf_counter()
         line = self.nodes.background
-        with line.watchdog.phase(f"{self.phase}, outer step {number} in the background of the inner steps", step):
+        # the step named: where it was meant to land (a stall then is the wire's, not the loop's)
+        with line.watchdog.phase(f"{self.phase}, outer step {number} in the background of the inner steps",
+                                 land_at or step):
             norm_sq, _ = self._exchange(line.group)
             # theta's bits summed as integers: exact, the same on any CPU (a float sum's order is not)
             bits = int(self.theta.view(torch.int32).sum(dtype=torch.int64)) % (1 << 50)
@@ -478,6 +497,24 @@ class DiLoCo:
                              f"from node 0's" for n in differ)
                  + ". The nodes are no longer training the same model; stopping every rank.")
         self.landed = Landed(time.perf_counter() - t0, float(rows[:, 0].sum()), float(rows[:, 1].max()))
+
+    @torch.no_grad()
+    def land(self) -> tuple[Landed | None, float]:
+        """At `lands_at`, between two outer steps: the overlapped sync lands (`_land`); collective over
+        the node's ranks (the others get the rebased weights). Returns what it agreed on (the
+        node's other ranks: None) and the seconds this rank waited for it."""
+        self.wait_s = 0.0
+        landed = self._land() if self.nodes.leader else None
+        if self.nodes.group is not None:
+            if not self.shared_params:
+                for p in self.params:
+                    dist.broadcast(p.data, group=self.nodes.group, group_src=0)
+            else:  # the others read the shared weights once the leader has rebased them
+                self._wait(dist.broadcast(torch.zeros(1, device=self.params[0].device), group=self.nodes.group,
+                                          group_src=0, async_op=True))
+        self.lands_at = None
+        sync(self.params[0].device)
+        return landed, self.wait_s
 
     def _land(self) -> Landed | None:
         """The overlapped sync in flight, if any: wait for it, then rebase this node's weights on the

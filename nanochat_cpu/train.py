@@ -77,6 +77,7 @@ from .sync_diloco import (
     find_nodes,
     first_outer_phase,
     keep_synchronous,
+    landing_steps,
     node_token_share,
     open_background,
     warm_up_end,
@@ -318,6 +319,8 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
         schedule = OuterSchedule(start + first, None, cfg.num_iterations, start)
     else:
         schedule = OuterSchedule(start + every, every, cfg.num_iterations, start)
+    if diloco.overlaps and saved:  # resumed: the landing its first sync timed (None: not timed yet)
+        schedule.land_after = saved.get("land_after")
     average = " (a plain average)" if (cfg.outer_lr, cfg.outer_momentum) == (1, 0) else ""
     log(env, f"local steps: node {nodes.index} of {nodes.count} (ranks {nodes.ranks[nodes.index]}), "
              f"{share:.1%} of each inner step's tokens; outer sync every "
@@ -423,28 +426,36 @@ def stepping_loss_scale(env: DistEnv, nodes: Nodes | None, sizes: list[int], acc
 def outer_sync(env: DistEnv, tracker: Tracker, diloco: DiLoCo, schedule: OuterSchedule, step: int,
                last_step_s: float, watchdog: Watchdog, whole: bool) -> OuterStats:
     """The nodes meet: the outer step, its line and metrics; with auto, the first one chooses H.
-    With --outer-overlap on it leaves in the background unless the nodes must be `whole` after it
-    (at theta_global) or auto times it."""
-    overlap = diloco.overlaps and not whole and schedule.every is not None
+    With --outer-overlap on it leaves in the background, to land `schedule.land_after` steps later,
+    unless the nodes must be `whole` after it (at theta_global) or it is the first, which is timed."""
+    overlap = diloco.overlaps and not whole and schedule.every is not None and schedule.land_after is not None
+    land_at = None
+    if overlap and step + schedule.land_after < min(step + schedule.every, schedule.last):
+        land_at = step + schedule.land_after  # else at the next boundary
     with watchdog.phase(diloco.phase, step):
-        outer = diloco.outer_step(last_step_s, step, overlap)
-    if schedule.every is None:  # every rank must choose the same H, from the same figures:
-        # the shortest sync any rank saw, the last node's to arrive (the others' also holds their
-        # wait for it, which is the inner phases' imbalance, not the wire's), and the slowest step;
-        # overlapped, the most any rank's sync did but wait
+        outer = diloco.outer_step(last_step_s, step, overlap, land_at)
+    if schedule.every is None or (diloco.overlaps and schedule.land_after is None):
+        # every rank must choose alike, from the same figures: the shortest sync any rank saw, the
+        # last node's to arrive (the others' also holds their wait for it, which is the inner
+        # phases' imbalance, not the wire's), the slowest step, and the most any rank's sync did
+        # but wait (what stays on the loop when it overlaps)
         seen = torch.tensor([-outer.sync_s, outer.slowest_step_s, outer.sync_s - outer.wait_s],
                             dtype=torch.float64, device=env.device)
         with watchdog.phase("all_reduce outer sync seconds", step):
             dist.all_reduce(seen, op=dist.ReduceOp.MAX)
-        work_s = float(seen[2]) if diloco.overlaps else None
-        schedule.every, why = choose_sync_every(-float(seen[0]), float(seen[1]), work_s)
-        log(env, f"sync-every auto: H={schedule.every} ({why})")
+        sync_s, step_s, work_s = -float(seen[0]), float(seen[1]), float(seen[2])
+        if schedule.every is None:
+            schedule.every, why = choose_sync_every(sync_s, step_s, work_s if diloco.overlaps else None)
+            log(env, f"sync-every auto: H={schedule.every} ({why})")
+        if diloco.overlaps:
+            schedule.land_after, why = landing_steps(sync_s, step_s, schedule.every)
+            log(env, f"outer-overlap: each outer sync lands {schedule.land_after} inner steps after it leaves ({why})")
     if outer.overlapped:
-        landed = "none in flight before it"
+        lands = f"lands at step {land_at:05d}" if land_at else "lands at the next boundary"
+        how = f"overlapped: it crosses in the background and {lands}"
         if outer.background_s:
-            landed = (f"the one before landed after {outer.background_s:.2f}s in the background, "
-                      f"pseudo_grad_norm={outer.pseudo_grad_norm:.4f}")
-        how = f"overlapped: it crosses in the background of the next phase; {landed}"
+            how += (f"; the one before landed here after {outer.background_s:.2f}s in the background, "
+                    f"pseudo_grad_norm={outer.pseudo_grad_norm:.4f}")
     else:
         how = f"pseudo_grad_norm={outer.pseudo_grad_norm:.4f}"
     log(env, f"outer step {diloco.outer_steps} at step {step:05d}: sync_s={outer.sync_s:.2f} "
@@ -457,6 +468,20 @@ def outer_sync(env: DistEnv, tracker: Tracker, diloco: DiLoCo, schedule: OuterSc
         metrics["outer_background_s"] = outer.background_s
     tracker.log_metrics(metrics, step)
     return outer
+
+
+def land_outer_sync(env: DistEnv, tracker: Tracker, diloco: DiLoCo, step: int, watchdog: Watchdog) -> float:
+    """--outer-overlap: the sync that left at the last boundary lands now, mid-phase; its line and
+    metrics. Returns this rank's wait for it."""
+    with watchdog.phase(f"{diloco.phase}: landing outer step {diloco.outer_steps}", step):
+        landed, wait_s = diloco.land()
+    if landed is not None and env.master:
+        norm = math.sqrt(landed.norm_sq)
+        log(env, f"outer step {diloco.outer_steps} landed at step {step:05d}: after {landed.took_s:.2f}s in the "
+                 f"background, waited {wait_s:.2f}s, pseudo_grad_norm={norm:.4f}")
+        tracker.log_metrics({"outer_background_s": landed.took_s, "outer_wait_s": wait_s,
+                             "pseudo_grad_norm": norm}, step)
+    return wait_s
 
 
 def whole_after(cfg: TrainConfig, schedule: OuterSchedule, step: int, stopping: bool) -> bool:
@@ -725,6 +750,9 @@ def run(cfg: TrainConfig) -> int:
         # checksums, evaluations and checkpoints wait for one (every step is one when synchronous)
         boundary = schedule.boundary(step)
         outer_wait, overlapped = 0.0, False
+        if diloco is not None and not boundary and diloco.lands_at == step:
+            outer_wait = land_outer_sync(env, tracker, diloco, step, watchdog)
+            comm_wait += outer_wait
         if diloco is not None and boundary:
             outer = outer_sync(env, tracker, diloco, schedule, step, time.perf_counter() - t0, watchdog,
                                whole_after(cfg, schedule, step, stopping))
@@ -810,7 +838,8 @@ def run(cfg: TrainConfig) -> int:
                 extra["auto_choice"] = auto_choice
             if diloco is not None:  # at a boundary: the model is theta_global; the outer momentum, the chosen H
                 extra |= {"outer": diloco.state_dict(),
-                          "sync_schedule": {"first": schedule.first, "every": schedule.every}}
+                          "sync_schedule": {"first": schedule.first, "every": schedule.every,
+                                            "land_after": schedule.land_after}}
             if background is not None:  # one at a time: the last one's bytes go before this one is taken
                 background.wait(step)
             if background is not None and diloco is not None and not (last or stopping):

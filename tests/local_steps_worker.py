@@ -15,7 +15,8 @@ outer step (OUT/node{n}.{k}.pt), rank 0 the initial and final ones (OUT/global.0
 `diverge-overlapped`: the last node's theta_global is nudged before an overlapped outer step (bf16
 updates, which every leader adds to its own theta): the sync's thread must stop every rank.
 LOCAL_COMM=auto|gloo: the node's ranks share memory (where there are two) or step through Gloo.
-OVERLAP=1 (`identical`): every outer step but the last overlaps the next phase.
+OVERLAP=1 (`identical`): every outer step but the last overlaps the next phase, and lands one
+inner step later (at the next boundary where H is 1).
 """
 
 from __future__ import annotations
@@ -89,8 +90,12 @@ def identical(out: str, every: int) -> None:
     gen = torch.Generator().manual_seed(3)
     for step in range(1, STEPS + 1):
         inner_step(model, opt, torch.randint(0, VOCAB, (GLOBAL_ROWS, SEQ + 1), generator=gen), share, GLOBAL_ROWS)
-        if diloco is not None and (step % every == 0 or step == STEPS):
-            diloco.outer_step(0.0, step, overlap=diloco.overlaps and step < STEPS)
+        boundary = step % every == 0 or step == STEPS
+        if diloco is not None and diloco.lands_at == step and not boundary:
+            diloco.land()
+        if diloco is not None and boundary:
+            overlap = diloco.overlaps and step < STEPS
+            diloco.outer_step(0.0, step, overlap, land_at=step + 1 if overlap and every > 1 else None)
     if env.rank == 0:
         save(model, Path(out))
 

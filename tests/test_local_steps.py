@@ -25,6 +25,7 @@ from nanochat_cpu.sync_diloco import (
     choose_sync_every,
     first_outer_phase,
     keep_synchronous,
+    landing_steps,
     warm_up_end,
 )
 from nanochat_cpu.train import PhaseTimes, auto_on_resume
@@ -92,13 +93,15 @@ def one_node(tmp_path_factory) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize(("nodes", "nproc", "every", "local_comm", "overlap"),
                          [(2, 1, 1, "auto", "0"), (3, 1, 3, "auto", "0"), (2, 2, 2, "auto", "0"),
-                          (2, 2, 4, "gloo", "0"), (3, 1, 1, "auto", "1"), (2, 2, 1, "gloo", "1")])
+                          (2, 2, 4, "gloo", "0"), (3, 1, 1, "auto", "1"), (2, 2, 2, "auto", "1"),
+                          (2, 2, 2, "gloo", "1")])
 def test_nodes_fed_identical_batches_end_as_one_node_alone(nodes, nproc, every, local_comm, overlap, one_node,
                                                            tmp_path):
     """Outer lr 1, momentum 0: the outer step is the nodes' average, so nodes that saw the same
     batches end where one node alone does, whether a node is one rank or two (shared memory or
     Gloo within the node), at H = 1 and H > 1, and with the outer syncs overlapping the next phase
-    (each node rebased on theta_global one phase late: the same weights, as the nodes agree):
+    (each node rebased on theta_global when the sync lands, at the next boundary or mid-phase:
+    the same weights, as the nodes agree):
     the outer sync's own communication is exact. (Not bit for bit: theta_global - (theta_global -
     theta_n) rounds, and Adam's small eps turns the embeddings' tiniest gradients' rounding into
     visible steps: the N-rank tests' tolerance.)"""
@@ -209,12 +212,14 @@ def test_trainer_local_steps_resume_reproduces_losses(tiny_data_dir, tiny_tokeni
         assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
 
 
-def test_trainer_overlapped_syncs_land_a_phase_late_and_a_resume_from_a_whole_boundary_reproduces_losses(
+def test_trainer_overlapped_syncs_land_mid_phase_and_a_resume_from_a_whole_boundary_reproduces_losses(
         tiny_data_dir, tiny_tokenizer_dir, tmp_path):
-    """Two nodes at H = 2 with --outer-overlap on and a checkpoint due every 6 steps: the syncs at
-    steps 2, 4, 8 and 10 cross in the background of the next phase (4 and 10 land the ones before),
-    those at 6 and 12 block, so that the checkpoints hold theta_global and nothing in flight; a run
-    that died after step 6 resumes from it with the uninterrupted run's losses."""
+    """Two nodes at H = 2 with --outer-overlap on and a checkpoint due every 6 steps. The first sync
+    (step 2) blocks and is timed: it sets how many inner steps a sync is given to cross. Those at 4,
+    8 and 10 cross in the background and land then (mid-phase, or at the next boundary where that
+    is H); those at 6 and 12 block, so that the checkpoints hold theta_global and nothing in
+    flight. A run that died after step 6 resumes from it, with the landing the first run timed,
+    and repeats the uninterrupted run's losses."""
     def flags(node: int) -> list[str]:
         return train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=2,
                                         outer_overlap="on", checkpoint_every=6, sync_warmup_ratio=0))
@@ -223,15 +228,19 @@ def test_trainer_overlapped_syncs_land_a_phase_late_and_a_resume_from_a_whole_bo
     full = losses(first)
     assert sorted(full) == list(range(1, 13))
     assert "each crosses in the background of the next inner phase (--outer-overlap on)" in first
+    after = int(re.search(r"outer-overlap: each outer sync lands (\d+) inner steps after it leaves \(outer sync", first)
+                .group(1))
+    assert after in (1, 2), first
     lines = dict(re.findall(r"outer step \d+ at step (\d+): .*? H=2 (.*)", first))
     assert sorted(lines) == ["00002", "00004", "00006", "00008", "00010", "00012"], first
-    for step in ("00002", "00008"):
-        assert lines[step].startswith("overlapped: it crosses in the background of the next phase; none in flight")
-    for step in ("00004", "00010"):
-        assert re.match(r"overlapped: .*; the one before landed after [\d.]+s in the background, pseudo_grad_norm=",
-                        lines[step]), lines[step]
-    for step in ("00006", "00012"):
+    for step in ("00002", "00006", "00012"):
         assert lines[step].startswith("pseudo_grad_norm="), lines[step]
+    for step in (4, 8, 10):
+        assert lines[f"{step:05d}"].startswith("overlapped: it crosses in the background and lands at "), first
+        if after == 1:  # mid-phase: its own line
+            assert re.search(rf"outer step \d+ landed at step {step + 1:05d}: after [\d.]+s in the background", first)
+    if after == 2:  # at the next boundary
+        assert "the one before landed here after" in lines["00010"], first
     for node in range(2):
         step_dir = tmp_path / f"n{node}" / "checkpoints" / "step_000012"
         for f in step_dir.iterdir():
@@ -239,6 +248,7 @@ def test_trainer_overlapped_syncs_land_a_phase_late_and_a_resume_from_a_whole_bo
         step_dir.rmdir()
     second = two_nodes(flags)
     assert "resumed from checkpoint step 6" in second
+    assert "outer-overlap: each outer sync lands" not in second  # the first run's timing stands
     resumed = losses(second)
     assert sorted(resumed) == list(range(7, 13))
     for step, loss in resumed.items():
@@ -257,7 +267,7 @@ def test_trainer_auto_picks_one_h_on_every_rank_of_two_two_rank_nodes(overlap, t
     out = assert_ok(results)
     chosen = re.findall(r"rank (\d)/4\] sync-every auto: H=(\d+) \(outer sync [0-9.]+ s, ([^)]*)", out)
     assert sorted(r for r, _, _ in chosen) == ["0", "1", "2", "3"] and len({h for _, h, _ in chosen}) == 1, out
-    overlapped = {"overlapped, it lands within the next phase" in why for _, _, why in chosen}
+    overlapped = {"s of it this node's own work" in why for _, _, why in chosen}
     assert overlapped == {overlap == "on"}, out
     assert out.count("share parameters, gradients and optimizer state") == 4  # within each node: shared memory
     assert "eval step 00012 val_bpb=" in out
@@ -761,17 +771,25 @@ def test_auto_keeps_the_sync_under_five_percent_and_says_when_capped():
     assert h == AUTO_MAX_H and "capped" in why and "of the wall time is the sync" in why
 
 
-def test_auto_overlapped_needs_the_phase_the_sync_takes_to_cross_and_holds_its_own_work_to_five_percent():
-    """Overlapped, a sync costs no wait where it lands within the next phase (1.5x its time, as the
-    steps slow while it crosses); what the node does itself at a boundary is held to 5% instead."""
+def test_auto_overlapped_needs_the_steps_a_sync_crosses_in_and_holds_its_own_work_to_five_percent():
+    """Overlapped, a sync costs no wait where it has landed before the next leaves: it is given 1.5x
+    its time (the steps slow while it crosses), and H is at least that; what the node does itself
+    at a boundary is held to 5% instead."""
     h, why = choose_sync_every(sync_s=4.5, step_s=2.0, work_s=0.05)
-    assert h == 4 and "lands within the next phase at H >= 3.4" in why  # 1.5 * 4.5 / 2, where blocking needs 43
+    assert h == 4 and "overlapped, it crosses in 4 inner steps" in why  # 1.5 * 4.5 / 2, where blocking needs 43
     assert choose_sync_every(sync_s=4.5, step_s=2.0)[0] == 43
     h, why = choose_sync_every(sync_s=1.0, step_s=2.0, work_s=1.0)
     assert h == 10 and "at most 5% at H >= 9.5" in why  # the node's own work sets it
     assert choose_sync_every(sync_s=0.01, step_s=2.0, work_s=0.0)[0] == AUTO_FIRST_PHASE
-    h, why = choose_sync_every(sync_s=300.0, step_s=1.0, work_s=0.1)
-    assert h == AUTO_MAX_H and "capped" in why and "may not land within a phase" in why
+    h, why = choose_sync_every(sync_s=300.0, step_s=1.0, work_s=10.0)
+    assert h == AUTO_MAX_H and "capped" in why
+
+
+def test_an_overlapped_sync_lands_after_the_steps_it_needs_and_at_the_latest_at_the_next_boundary():
+    assert landing_steps(sync_s=4.5, step_s=2.0, every=32)[0] == 4
+    assert landing_steps(sync_s=0.01, step_s=2.0, every=32)[0] == 1
+    steps, why = landing_steps(sync_s=40.0, step_s=2.0, every=16)
+    assert steps == 16 and "lands at the next boundary (H = 16)" in why
 
 
 def test_compile_auto_decides_on_nodes_of_two_ranks_and_one(tiny_data_dir, tiny_tokenizer_dir, tmp_path):

@@ -482,11 +482,18 @@ def test_sync_every_and_the_outer_step_reach_the_trainer_flags(tmp_path: Path) -
     res = run_validate_on_localhost(tmp_path, {}, "-e", "sync_every=auto", "-e", "outer_lr=0.5")
     assert res.returncode == 0, res.stdout + res.stderr
     args = (tmp_path / "train_args").read_text()
-    assert "--sync-every auto --outer-lr 0.5 --outer-momentum 0.0 --sync-warmup-ratio 0.05" in args, args
-    res = run_validate_on_localhost(tmp_path, {}, "-e", "sync_every=8", "-e", "sync_warmup_ratio=0")
+    assert ("--sync-every auto --outer-lr 0.5 --outer-momentum 0.0 --outer-overlap off --sync-warmup-ratio 0.05"
+            in args), args
+    res = run_validate_on_localhost(tmp_path, {}, "-e", "sync_every=8", "-e", "sync_warmup_ratio=0", "-e",
+                                    "outer_overlap=on")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "--sync-every 8 --outer-lr 1.0 --outer-momentum 0.0 --sync-warmup-ratio 0 " in (
+    assert "--sync-every 8 --outer-lr 1.0 --outer-momentum 0.0 --outer-overlap on --sync-warmup-ratio 0 " in (
         tmp_path / "train_args").read_text()
+    # nothing to overlap where every step is synchronous: the trainer's check names the extra-var's fix
+    res = run_validate_on_localhost(tmp_path, {}, "-e", "sync_every=1", "-e", "outer_overlap=on")
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out
+    assert "outer_overlap=on overlaps the outer syncs of local steps" in out and "-e outer_overlap=off" in out, out
 
 
 def test_the_wire_dtypes_reach_the_trainer_flags(tmp_path: Path) -> None:
