@@ -249,7 +249,8 @@ def keep_synchronous(wire_share: float | None) -> tuple[bool, str]:
     return False, f"{verdict}, over {AUTO_WIRE_SHARE:.0%}: local steps follow"
 
 
-def first_outer_phase(wire_s: float, work_s: float, ranks_per_node: int = 1) -> tuple[int, str]:
+def first_outer_phase(wire_s: float, work_s: float, ranks_per_node: int = 1, overlap: bool = False,
+                      ) -> tuple[int, str]:
     """auto, once it chose local steps from the warm-up: the inner steps before the first outer
     sync, and why. A synchronous step of one rank per node sends what an outer sync sends (the
     others' slices of a gradient, then of the parameters); a node of k ranks sends k ranks' slices
@@ -257,9 +258,11 @@ def first_outer_phase(wire_s: float, work_s: float, ranks_per_node: int = 1) -> 
     a node, erring short) against `work_s`, a step's work but its waits, already gives the H
     choose_sync_every would take from an outer sync. The first outer sync is timed all the same
     and sets H; this only spares a sync after AUTO_FIRST_PHASE steps (on a slow link, a whole
-    sync's wait; 10 Mbit/s at depth 8: ~110 s)."""
+    sync's wait; 10 Mbit/s at depth 8: ~110 s). Overlapped (--outer-overlap on), H need only be
+    the steps a sync takes to cross (`landing_steps`), so the first phase is that long: the sooner
+    the first (timed, blocking) sync, the sooner the overlapped ones begin."""
     sync_s = wire_s / ranks_per_node
-    h, _ = choose_sync_every(sync_s, work_s)
+    h = landing_steps(sync_s, work_s, AUTO_MAX_H)[0] if overlap else choose_sync_every(sync_s, work_s)[0]
     h = max(AUTO_FIRST_PHASE, h)  # the phase's mean step is timed: a first inner step alone allocates
     per = f", {ranks_per_node} ranks a node: an outer sync sends 1/{ranks_per_node} of it" if ranks_per_node > 1 \
         else ", and an outer sync sends as much"

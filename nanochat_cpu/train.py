@@ -365,7 +365,8 @@ def choose_after_timed_steps(cfg: TrainConfig, env: DistEnv, nodes: Nodes, warm:
         choice["warm_until"], cap_why = warm_up_end(wire_s, work_s, cfg.num_iterations, warm_until, step)
         choice["asked_until"] = sync_warmup_steps(cfg)  # a restart that asks for fewer gets fewer
         log(env, f"sync-every auto: {cap_why}")
-        choice["first_phase"], first_why = first_outer_phase(wire_s, work_s, max(map(len, nodes.ranks)))
+        choice["first_phase"], first_why = first_outer_phase(wire_s, work_s, max(map(len, nodes.ranks)),
+                                                             overlap=nodes.background is not None)
         log(env, f"sync-every auto: {first_why}")
     return choice
 

@@ -746,6 +746,9 @@ def test_auto_sets_the_first_inner_phase_from_the_warm_ups_wire_wait():
     assert first_outer_phase(wire_s=500.0, work_s=1.0)[0] == AUTO_MAX_H
     # two ranks a node: a synchronous step sent both ranks' slices, an outer sync sends one node's
     assert first_outer_phase(wire_s=220.0, work_s=30.0, ranks_per_node=2)[0] == 70
+    # overlapped: the steps a sync takes to cross (1.5x its time), where blocking would need 19x
+    assert first_outer_phase(wire_s=110.0, work_s=30.0, overlap=True)[0] == 6
+    assert first_outer_phase(wire_s=0.1, work_s=0.5, overlap=True)[0] == AUTO_FIRST_PHASE
 
 
 def test_a_resume_keeps_autos_warm_up_end_unless_the_restart_asks_for_a_shorter_warm_up():
