@@ -662,6 +662,31 @@ def test_a_node_lost_mid_inner_phase_is_noticed_at_the_next_step(tiny_data_dir, 
     assert not re.search(r"outer step \d+ at step", out)  # it was noticed inside the inner phase
 
 
+def test_a_node_lost_while_overlapped_syncs_cross_stops_the_other_within_seconds(tiny_data_dir, tiny_tokenizer_dir,
+                                                                                  tmp_path):
+    """With --outer-overlap on a sync is always crossing or about to: a node that dies then leaves
+    the other's background thread, or its loop's next collective, failing at once (a reset
+    connection), named, not hanging until the collective timeout."""
+    port = free_port()
+    procs = [spawn_node(2, n, port, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{n}",
+                                                             sync_every=2, outer_overlap="on", num_iterations=1000,
+                                                             checkpoint_every=0, collective_timeout=60,
+                                                             sync_warmup_ratio=0)))
+             for n in range(2)]
+    try:
+        seen = read_until(procs[0], "overlapped: it crosses in the background", timeout=120)
+        kill_tree(procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        out = seen + procs[0].communicate(timeout=90)[0]
+        waited = time.monotonic() - t0
+    finally:
+        for p in procs:
+            kill_tree(p.pid, signal.SIGKILL)
+    assert procs[0].returncode != 0
+    assert waited < 30, f"node 0 took {waited:.0f}s to notice (collective timeout 60 s)"
+    assert re.search(r"FATAL: collective '[^']+' at step \d+ failed", out), out[-2000:]
+
+
 # ---- when the nodes meet, and auto's H ------------------------------------------------------------
 
 def test_schedule_of_a_synchronous_run_is_every_step():
