@@ -702,7 +702,7 @@ def run(cfg: TrainConfig) -> int:
     # ---- the loop --------------------------------------------------------------------------------
     step = start_step
     said_speed = False  # whether the cluster-vs-one-node line was logged
-    phase = PhaseTimes()  # since the last outer boundary (every step, when synchronous)
+    phase = PhaseTimes()  # since the last timing line (with local steps: whole phases; synchronous: a step)
     warm = PhaseTimes()  # the synchronous warm-up's steps but this process's first (auto times its wire)
     warm_before_resplit = False  # whether some of them ran at a split the check has since replaced
     # this process's steps but its first, until the measured work split is checked against them
@@ -772,6 +772,7 @@ def run(cfg: TrainConfig) -> int:
             fail(env, EXIT_MISMATCH, f"loss is {train_loss} at step {step}: training diverged "
                                      f"(lower --matrix-lr/--embedding-lr or resume from an earlier checkpoint)")
         timed = (sizes, accum)  # the split the phase's timings were measured at
+        resplit = False  # here, at a boundary: its timings are logged at the old split, or dropped
         # once, and again when local steps begin, then after two inner steps: mid-phase if need be
         # (auto's first phase may be long), each node's delta weighed by the rows it really did
         if split_times is not None and split_times.steps >= 2:
@@ -785,6 +786,7 @@ def run(cfg: TrainConfig) -> int:
                 loss_scale = stepping_loss_scale(env, nodes if diloco is not None else None, sizes, accum)
                 if not boundary:  # the phase's timings so far were of the old split
                     phase = phase.restarted()
+                resplit = boundary
                 compiling.restart_timing()
                 warm_before_resplit = auto_choice is None and warm.steps > 0  # auto's timings so far: the old split's
                 if env.master:
@@ -818,7 +820,9 @@ def run(cfg: TrainConfig) -> int:
             said_speed = log_rank_timings(cfg, env, tracker, step, *timed, *phase.per_step(), watchdog,
                                           said_speed, local_steps=diloco is not None, last=last,
                                           warm_up_until=warm_until if diloco is None else 0)
-        phase = PhaseTimes()
+            phase = PhaseTimes()
+        elif diloco is None or resplit:
+            phase = PhaseTimes()  # synchronous: one step's; with local steps, since the last timing line
         # (overlapped, each node trains on from its own weights: the sync's thread compares theta_global)
         if env.distributed and not overlapped and (step == schedule.first or diloco is not None
                                                    or schedule.due(cfg.checksum_every, step) or last):

@@ -189,7 +189,8 @@ def log_rank_timings(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int
     cluster is any faster than its fastest node would be alone: said at the first timing step
     (returns True once said), loudly if it is not, and again at the last step (`at the end:`),
     from the warmed-up timings the run's summary reports. The times are one step's (with local steps:
-    the means over the inner phase that just ended, its outer sync included). Up to step
+    the means over the whole phases since the last timing line, their outer syncs and landings
+    included: a short phase, such as a last one of a step and its sync, is not taken for the run). Up to step
     `warm_up_until` (the synchronous warm-up of a run with local steps) the speed is said as that
     phase's only: the run's verdict waits for the local steps it is set to run."""
     mine = torch.tensor([compute_s, wait_s, step_s], dtype=torch.float64, device=env.device)
