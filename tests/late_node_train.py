@@ -16,12 +16,12 @@ _real_outer_step = DiLoCo.outer_step
 _late = os.environ.get("RANK") == os.environ["LATE_RANK"]
 
 
-def late_outer_step(self: DiLoCo, mean_step_s: float):
+def late_outer_step(self: DiLoCo, mean_step_s: float, *args):
     if _late and self.outer_steps == 0:
         print(f"LATE: rank {os.environ['RANK']} sleeps {os.environ['LATE_S']} s before its first outer sync",
               flush=True)
         time.sleep(float(os.environ["LATE_S"]))
-    return _real_outer_step(self, mean_step_s)
+    return _real_outer_step(self, mean_step_s, *args)
 
 
 DiLoCo.outer_step = late_outer_step
