@@ -292,6 +292,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     if cfg.outer_overlap == "on" and sync_every_steps(cfg) == 1:
         raise flag_problem("outer_overlap", cfg.outer_overlap, "overlaps the outer syncs of local steps: it needs "
                                                                "--sync-every above 1 or auto")
+    if cfg.outer_overlap == "on" and cfg.device == "cuda":
+        raise flag_problem("outer_overlap", cfg.outer_overlap, "is for CPU nodes: on CUDA the background sync would "
+                                                               "share the training stream; --outer-overlap off")
     if not 0.0 <= cfg.sync_warmup_ratio < 1.0:
         raise flag_problem("sync_warmup_ratio", cfg.sync_warmup_ratio, "must be in [0, 1)")
     if cfg.seed < 0:

@@ -420,7 +420,7 @@ class DiLoCo:
         if self.nodes.group is not None:  # the node's other ranks: the weights, and the stats to agree on H
             if not self.shared_params:
                 for p in self.params:
-                    dist.broadcast(p.data, group=self.nodes.group, group_src=0)
+                    self._wait(dist.broadcast(p.data, group=self.nodes.group, group_src=0, async_op=True))
             self._wait(dist.broadcast(stats, group=self.nodes.group, group_src=0, async_op=True))
         self.outer_steps += 1
         self.lands_at = land_at if overlap else None
@@ -511,7 +511,7 @@ class DiLoCo:
         if self.nodes.group is not None:
             if not self.shared_params:
                 for p in self.params:
-                    dist.broadcast(p.data, group=self.nodes.group, group_src=0)
+                    self._wait(dist.broadcast(p.data, group=self.nodes.group, group_src=0, async_op=True))
             else:  # the others read the shared weights once the leader has rebased them
                 self._wait(dist.broadcast(torch.zeros(1, device=self.params[0].device), group=self.nodes.group,
                                           group_src=0, async_op=True))

@@ -587,8 +587,9 @@ class PhaseTimes:
         return self.compute_s / n, self.wait_s / n + sync, self.wall_s / n + sync
 
     def restarted(self) -> PhaseTimes:
-        """The same phase timed afresh from here (a new split): its steps so far count as earlier."""
-        return PhaseTimes(earlier=self.steps + self.earlier)
+        """The same phase timed afresh from here (a new split): its steps so far count as earlier,
+        and the outer syncs in them (a timing window spans phases with local steps) spread over all."""
+        return PhaseTimes(sync_s=self.sync_s, earlier=self.steps + self.earlier)
 
 
 # ---- the run -------------------------------------------------------------------------------------

@@ -108,3 +108,4 @@ def test_outer_overlap_needs_local_steps() -> None:
             in str(problem_of(outer_overlap="on")))
     assert problem_of(outer_overlap="on", sync_every="auto") is None
     assert problem_of(outer_overlap="on", sync_every="8") is None
+    assert "is for CPU nodes" in str(problem_of(outer_overlap="on", sync_every="8", device="cuda"))

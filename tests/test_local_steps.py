@@ -762,6 +762,14 @@ def test_a_phase_re_split_midway_spreads_its_outer_sync_over_all_its_steps():
     for sync in (0.0,) * 7 + (4.0,):
         whole.add(1.0, 0.1 + sync, 1.1 + sync, sync)
     assert whole.per_step() == pytest.approx((1.0, 0.6, 1.6))  # as a phase that kept one split
+    # a timing window across phases (local steps): a sync before the re-split still counts
+    window = PhaseTimes()
+    for sync in (0.0, 4.0):  # the last two steps of the phase before, its sync
+        window.add(1.0, 0.1 + sync, 1.1 + sync, sync)
+    window = window.restarted()
+    for sync in (0.0,) * 7 + (4.0,):
+        window.add(1.0, 0.1 + sync, 1.1 + sync, sync)
+    assert window.per_step() == pytest.approx((1.0, 0.1 + 8.0 / 10, 1.1 + 8.0 / 10))
 
 
 def test_auto_sets_the_first_inner_phase_from_the_warm_ups_wire_wait():
