@@ -638,25 +638,31 @@ def test_a_local_steps_checkpoint_is_not_resumed_synchronously(tiny_data_dir, ti
            "asks for every step synchronous" in outs[0]
 
 
-def test_a_node_lost_mid_inner_phase_is_noticed_at_the_next_step(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
-    """The nodes exchange no model traffic for 100 steps, but the stop flag's 4-byte all-reduce after
-    every step is a heartbeat: node 0 notices node 1's death within a step, not at step 100."""
+def lose_node_one(data, tok, tmp_path, after: str, **flags) -> tuple[int, str, float]:
+    """Two nodes training a long run; node 1 (its trainer and torchrun) killed once node 0 printed
+    `after`, like a node dying. Node 0's exit code, output, and the seconds it took to exit."""
     port = free_port()
-    procs = [spawn_node(2, n, port, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{n}",
-                                                             sync_every=100, num_iterations=1000,
+    procs = [spawn_node(2, n, port, train_target(*tiny_flags(data, tok, tmp_path / f"n{n}", num_iterations=1000,
                                                              checkpoint_every=0, collective_timeout=60,
-                                                             sync_warmup_ratio=0)))
+                                                             sync_warmup_ratio=0, **flags)))
              for n in range(2)]
     try:
-        seen = read_until(procs[0], "step 00003", timeout=120)
-        kill_tree(procs[1].pid, signal.SIGKILL)  # the trainer and its torchrun, like a node dying
+        seen = read_until(procs[0], after, timeout=120)
+        kill_tree(procs[1].pid, signal.SIGKILL)
         t0 = time.monotonic()
         out = seen + procs[0].communicate(timeout=90)[0]
         waited = time.monotonic() - t0
     finally:
         for p in procs:
             kill_tree(p.pid, signal.SIGKILL)
-    assert procs[0].returncode != 0
+    return procs[0].returncode, out, waited
+
+
+def test_a_node_lost_mid_inner_phase_is_noticed_at_the_next_step(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """The nodes exchange no model traffic for 100 steps, but the stop flag's 4-byte all-reduce after
+    every step is a heartbeat: node 0 notices node 1's death within a step, not at step 100."""
+    code, out, waited = lose_node_one(tiny_data_dir, tiny_tokenizer_dir, tmp_path, "step 00003", sync_every=100)
+    assert code != 0
     assert waited < 30, f"node 0 took {waited:.0f}s to notice (collective timeout 60 s)"
     assert "FATAL: collective 'all_reduce stop flag'" in out and "rank 1@" in out, out[-2000:]
     assert not re.search(r"outer step \d+ at step", out)  # it was noticed inside the inner phase
@@ -667,22 +673,9 @@ def test_a_node_lost_while_overlapped_syncs_cross_stops_the_other_within_seconds
     """With --outer-overlap on a sync is always crossing or about to: a node that dies then leaves
     the other's background thread, or its loop's next collective, failing at once (a reset
     connection), named, not hanging until the collective timeout."""
-    port = free_port()
-    procs = [spawn_node(2, n, port, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{n}",
-                                                             sync_every=2, outer_overlap="on", num_iterations=1000,
-                                                             checkpoint_every=0, collective_timeout=60,
-                                                             sync_warmup_ratio=0)))
-             for n in range(2)]
-    try:
-        seen = read_until(procs[0], "overlapped: it crosses in the background", timeout=120)
-        kill_tree(procs[1].pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        out = seen + procs[0].communicate(timeout=90)[0]
-        waited = time.monotonic() - t0
-    finally:
-        for p in procs:
-            kill_tree(p.pid, signal.SIGKILL)
-    assert procs[0].returncode != 0
+    code, out, waited = lose_node_one(tiny_data_dir, tiny_tokenizer_dir, tmp_path,
+                                      "overlapped: it crosses in the background", sync_every=2, outer_overlap="on")
+    assert code != 0
     assert waited < 30, f"node 0 took {waited:.0f}s to notice (collective timeout 60 s)"
     assert re.search(r"FATAL: collective '[^']+' at step \d+ failed", out), out[-2000:]
 
