@@ -428,7 +428,7 @@ def main() -> int:
                    help="passed to the trainer (default 0: the local rows measure local steps; a run's synchronous "
                         "warm-up trains at the H = 1 row's speed)")
     p.add_argument("--outer-momentum", type=float, default=None, help="passed to the trainer (default: its own)")
-    p.add_argument("--outer-overlap", choices=("on", "off"), default=None,
+    p.add_argument("--outer-overlap", choices=("auto", "on", "off"), default=None,
                    help="passed to the trainer's local-steps runs (default: its own)")
     p.add_argument("--steps", type=int, default=4, help="steps of a --sync-every 1 run")
     p.add_argument("--auto-steps", type=int, default=100, help="steps of a --sync-every auto run")

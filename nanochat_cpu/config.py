@@ -112,11 +112,13 @@ class TrainConfig:
                                                            "(1 with momentum 0: the nodes' token-weighted average)"})
     outer_momentum: float = field(default=0.0, metadata={"help": "outer Nesterov momentum, in [0, 1)"})
     outer_overlap: str = field(
-        default="off",
-        metadata={"choices": ("on", "off"),
+        default="auto",
+        metadata={"choices": ("auto", "on", "off"),
                   "help": "with local steps: on = each outer sync crosses in the background of the next inner "
-                          "phase and lands one phase late (none before an evaluation, a sample, a checkpoint or "
-                          "the last step); auto then needs only the phases the sync takes to cross"},
+                          "steps and lands a few steps late (none before an evaluation, a sample, a checkpoint or "
+                          "the last step; --sync-every auto then needs only the steps a sync takes to cross); "
+                          "auto = on where the first, timed, outer sync says a blocking one would hold the nodes "
+                          "more than 5 percent of the time at the H they run, off elsewhere and on CUDA"},
     )
     # local steps cost the most quality early, while the model changes fastest (post-local SGD)
     sync_warmup_ratio: float = field(

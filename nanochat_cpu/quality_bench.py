@@ -284,7 +284,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--outer-lr", type=float, default=None, help="passed to the trainer (default: its own)")
     p.add_argument("--sync-warmup-ratio", type=float, default=None, help="passed to the trainer (default: its own)")
     p.add_argument("--outer-momentum", type=float, default=None, help="passed to the trainer (default: its own)")
-    p.add_argument("--outer-overlap", choices=("on", "off"), default=None,
+    p.add_argument("--outer-overlap", choices=("auto", "on", "off"), default=None,
                    help="passed to the trainer's DiLoCo rows (default: its own)")
     for name in ("--grad-comm-dtype", "--param-comm-dtype"):  # what the wire's rounding costs
         p.add_argument(name, choices=("float32", "bfloat16"), default=None,

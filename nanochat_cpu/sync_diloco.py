@@ -44,16 +44,21 @@ Where local steps follow, the warm-up's own waits are held to 5 percent of the r
 
 With --outer-overlap on, an outer sync need not hold the nodes at all: each leader sends its
 delta from a thread of its own, on a process group of its own (`Background`), and its node
-trains on from its own weights. The sync lands at the next boundary: the node's weights become
-theta_n - base + theta_global, its progress since it sent (base: its weights then) on the
-theta_global the sync brought, and the next delta is that progress. theta_global so runs one phase
-behind the nodes, and a node's own progress of a phase is replaced by the nodes' average of it
-one phase later (Streaming DiLoCo's overlap, a whole phase long). What reads or saves the model
-needs every node at theta_global: before an evaluation, a sample, a checkpoint, a stop and the
-last step the sync blocks as above (the one in flight lands first), so a checkpoint never holds
-a sync in flight. auto times its first sync blocking, then needs only an H whose phase the sync
-crosses in (`choose_sync_every`). The thread compares theta_global's bits across the leaders
-after each sync, as the loop compares the parameters after a blocking one.
+trains on from its own weights. The sync lands `land_after` inner steps later (`landing_steps`:
+1.5 times the steps the run's first, blocking sync took; at the latest at the next boundary):
+the node's weights become theta_n - base + theta_global, its progress since it sent (base: its
+weights then) on the theta_global the sync brought, and the next delta is that progress. So a
+node's own progress of a phase stands in for the nodes' average of it for those few steps
+(Streaming DiLoCo's overlap). What reads or saves the model needs every node at theta_global:
+before an evaluation, a sample, a checkpoint, a stop and the last step the sync blocks as above
+(the one in flight lands first), so a checkpoint never holds a sync in flight. auto times its
+first sync blocking, then needs only an H whose phase the sync crosses in, with the node's own
+part of a sync (its CPU too: the thread takes it from the inner steps) held to 5 percent
+(`choose_sync_every`). The thread compares theta_global's bits across the leaders after each
+sync, as the loop compares the parameters after a blocking one. --outer-overlap auto (the
+default) times the first sync blocking as well and overlaps only where a blocking one cannot be
+held to 5 percent at the H it would run (`choose_overlap`): on a fast link blocking H is cheap,
+and the thread's CPU is not.
 """
 
 from __future__ import annotations
@@ -188,17 +193,21 @@ class OuterSchedule:
         return period > 0 and step // period > self.previous(step) // period
 
 
+def blocking_need(sync_s: float, step_s: float) -> float:
+    """The H at which a blocking sync of `sync_s` is AUTO_WIRE_SHARE of the wall time."""
+    return (1 - AUTO_WIRE_SHARE) / AUTO_WIRE_SHARE * sync_s / max(step_s, 1e-9)  # sync / (H step + sync) <= share
+
+
 def choose_sync_every(sync_s: float, step_s: float, work_s: float | None = None) -> tuple[int, str]:
     """H such that one sync per H inner steps is at most AUTO_WIRE_SHARE of the wall time, and why.
 
-    Overlapped (`work_s`: what of a sync the node still does itself, between two steps: its weights
-    read, rebased and handed on), the wire's time is no wait where the sync has landed before the
-    next one leaves: H no less than the steps it is given to cross (`landing_steps`). That work is
-    held to the share instead; a smaller H trains better."""
-    ratio = (1 - AUTO_WIRE_SHARE) / AUTO_WIRE_SHARE  # sync / (H step + sync) <= share  <=>  H >= ratio * sync / step
+    Overlapped (`work_s`: what of a sync the node still pays itself: its weights read, rebased and
+    handed on, and the CPU the sync's thread takes from the inner steps), the wire's time is no wait
+    where the sync has landed before the next one leaves: H no less than the steps it is given to
+    cross (`landing_steps`). That work is held to the share instead; a smaller H trains better."""
     if work_s is not None:
         land, _ = landing_steps(sync_s, step_s, AUTO_MAX_H)
-        own = ratio * work_s / max(step_s, 1e-9)
+        own = blocking_need(work_s, step_s)
         h = min(AUTO_MAX_H, max(AUTO_FIRST_PHASE, land, math.ceil(own)))
         why = (f"outer sync {sync_s:.2f} s, {work_s:.2f} s of it this node's own work, slowest node's inner step "
                f"{step_s:.2f} s: overlapped, it crosses in {land} inner steps, and its own work is at most "
@@ -206,7 +215,7 @@ def choose_sync_every(sync_s: float, step_s: float, work_s: float | None = None)
         if h < max(land, own):
             why += f"; capped at {AUTO_MAX_H} (published range), so its own work is more"
         return h, why
-    need = ratio * sync_s / max(step_s, 1e-9)
+    need = blocking_need(sync_s, step_s)
     h = min(AUTO_MAX_H, max(1, math.ceil(need)))
     share = sync_s / (h * step_s + sync_s)
     why = (f"outer sync {sync_s:.2f} s, slowest node's inner step {step_s:.2f} s: at most "
@@ -214,6 +223,35 @@ def choose_sync_every(sync_s: float, step_s: float, work_s: float | None = None)
     if h < need:
         why += f"; capped at {AUTO_MAX_H} (published range), so {share:.0%} of the wall time is the sync"
     return h, why
+
+
+def choose_overlap(sync_s: float, step_s: float, work_s: float, every: int | None) -> tuple[bool, str]:
+    """--outer-overlap auto, from the first (blocking, timed) outer sync: whether the next ones
+    cross in the background, and why. `every`: the H asked for (None: auto's, at most AUTO_MAX_H).
+
+    Only where a blocking sync cannot be held to AUTO_WIRE_SHARE at that H (auto's H capped, or
+    the H asked for too short), and only where overlapped the node's own part of a sync (`work_s`)
+    is a smaller share than the blocking sync's. Elsewhere blocking already waits at most the
+    share, and an overlapped sync costs what a blocking one does not: its thread's CPU on nodes
+    that have no core to spare (measured on 0.5-CPU nodes: 7-16% slower inner steps at H = 2),
+    and each node's own progress standing in for the nodes' average until it lands."""
+    limit = every or AUTO_MAX_H
+    need = blocking_need(sync_s, step_s)
+    blocking = sync_s / (limit * step_s + sync_s)
+    h = every or choose_sync_every(sync_s, step_s, work_s)[0]
+    late = max(0.0, sync_s - h * step_s)  # a sync that has not crossed by the next boundary is waited for there
+    overlapped = (work_s + late) / (h * step_s + work_s + late)
+    at = f"H = {every}" if every else f"H = {AUTO_MAX_H} (auto's cap)"
+    if need <= limit:
+        return False, (f"a blocking sync of {sync_s:.2f} s against {step_s:.2f}-s inner steps is at most "
+                       f"{AUTO_WIRE_SHARE:.0%} of the wall time from H >= {need:.1f}: blocking")
+    verdict = (f"a blocking sync of {sync_s:.2f} s against {step_s:.2f}-s inner steps is {blocking:.0%} of the wall "
+               f"time at {at}; overlapped, its {work_s:.2f} s of this node's own work"
+               + (f" and {late:.2f} s still crossing at the next boundary" if late else "")
+               + f" is {overlapped:.0%} at H = {h}")
+    if overlapped < blocking:
+        return True, f"{verdict}: overlapped"
+    return False, f"{verdict}: blocking"
 
 
 def landing_steps(sync_s: float, step_s: float, every: int) -> tuple[int, str]:
@@ -249,7 +287,7 @@ def keep_synchronous(wire_share: float | None) -> tuple[bool, str]:
     return False, f"{verdict}, over {AUTO_WIRE_SHARE:.0%}: local steps follow"
 
 
-def first_outer_phase(wire_s: float, work_s: float, ranks_per_node: int = 1, overlap: bool = False,
+def first_outer_phase(wire_s: float, work_s: float, ranks_per_node: int = 1, overlap: bool | None = False,
                       ) -> tuple[int, str]:
     """auto, once it chose local steps from the warm-up: the inner steps before the first outer
     sync, and why. A synchronous step of one rank per node sends what an outer sync sends (the
@@ -260,8 +298,11 @@ def first_outer_phase(wire_s: float, work_s: float, ranks_per_node: int = 1, ove
     and sets H; this only spares a sync after AUTO_FIRST_PHASE steps (on a slow link, a whole
     sync's wait; 10 Mbit/s at depth 8: ~110 s). Overlapped (--outer-overlap on), H need only be
     the steps a sync takes to cross (`landing_steps`), so the first phase is that long: the sooner
-    the first (timed, blocking) sync, the sooner the overlapped ones begin."""
+    the first (timed, blocking) sync, the sooner the overlapped ones begin. `overlap` None
+    (--outer-overlap auto): overlapped where the blocking H would be capped (`choose_overlap`)."""
     sync_s = wire_s / ranks_per_node
+    if overlap is None:
+        overlap = blocking_need(sync_s, work_s) > AUTO_MAX_H
     h = landing_steps(sync_s, work_s, AUTO_MAX_H)[0] if overlap else choose_sync_every(sync_s, work_s)[0]
     h = max(AUTO_FIRST_PHASE, h)  # the phase's mean step is timed: a first inner step alone allocates
     per = f", {ranks_per_node} ranks a node: an outer sync sends 1/{ranks_per_node} of it" if ranks_per_node > 1 \
@@ -304,6 +345,7 @@ class OuterStats:
     slowest_step_s: float  # the slowest node's mean inner step in the phase that ended (overlapped: landed)
     background_s: float = 0.0  # overlapped: how long the sync that landed took in the background
     overlapped: bool = False  # this one left in the background: the nodes are not at theta_global
+    cpu_s: float = 0.0  # the CPU time this process took meanwhile, every thread's (a sync's thread's too)
 
 
 @dataclass
@@ -327,6 +369,9 @@ class DiLoCo:
         self.lr, self.mu = outer_lr, outer_momentum
         self.grad_dtype, self.param_dtype = grad_dtype, param_dtype
         self.shared_params = shared_params  # the node's ranks read one copy of the weights (shared memory)
+        # whether the outer syncs cross in the background (a Background is needed); None: --outer-overlap
+        # auto has not chosen yet, and they block
+        self.overlaps: bool | None = nodes.background is not None
         self.outer_steps = 0
         self.wait_s = 0.0  # of the last outer step
         self.flight: threading.Thread | None = None  # an overlapped sync under way (leaders only)
@@ -348,11 +393,8 @@ class DiLoCo:
         self.new_slice = torch.zeros(self.shard, dtype=torch.float32, device=device)
         self.updates = None if param_dtype == torch.float32 else torch.empty(full, dtype=param_dtype, device=device)
         # overlapped: the weights this node's phase began from, which the sync in flight will replace
-        self.base = torch.zeros_like(self.theta) if nodes.background is not None else None
-
-    @property
-    def overlaps(self) -> bool:
-        return self.nodes.background is not None
+        # (allocated by the first overlapped sync: --outer-overlap auto may never overlap)
+        self.base: torch.Tensor | None = None
 
     def count(self, sizes: list[int], accum: int) -> None:
         """One inner step of `accum` micro-steps at the split `sizes` (rows per rank). The split may
@@ -399,7 +441,7 @@ class DiLoCo:
         weights on the theta_global it brought (`_land`). Until then a node's own progress of the
         phase stands in for the nodes' average of it (Streaming DiLoCo's overlap)."""
         share = self.phase_share()  # every rank's count starts anew
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()  # the process's CPU: its Gloo threads' too
         self.wait_s = 0.0
         # (squared norm of the delta's slice, mean inner step, seconds in the background): summed,
         # maxed and maxed over the nodes
@@ -426,7 +468,8 @@ class DiLoCo:
         self.lands_at = land_at if overlap else None
         sync(self.params[0].device)
         return OuterStats(time.perf_counter() - t0, self.wait_s, float(stats[0]) ** 0.5,
-                          self.sent_bytes if self.nodes.leader else 0, float(stats[1]), float(stats[2]), overlap)
+                          self.sent_bytes if self.nodes.leader else 0, float(stats[1]), float(stats[2]), overlap,
+                          time.process_time() - cpu0)
 
     def _leader_step(self, share: float) -> float:
         """The outer update of this leader's slice, theta_global back on every leader and in this
@@ -468,6 +511,8 @@ class DiLoCo:
     def _launch(self, share: float, mean_step_s: float, step: int, land_at: int | None) -> None:
         """Send this node's delta of the phase that ended in the background; this node trains on from
         its weights as they are, which the next outer step rebases (`base` remembers them)."""
+        if self.base is None:
+            self.base = torch.zeros_like(self.theta)
         self.flatten_into(self.base)
         self.local.copy_(self.base)
         self._delta(share)

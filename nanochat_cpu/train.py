@@ -73,6 +73,7 @@ from .sync_diloco import (
     Nodes,
     OuterSchedule,
     OuterStats,
+    choose_overlap,
     choose_sync_every,
     find_nodes,
     first_outer_phase,
@@ -291,9 +292,17 @@ def find_local_step_nodes(cfg: TrainConfig, env: DistEnv, watchdog: Watchdog) ->
         log(env, f"--sync-every {cfg.sync_every}: every rank is on one node, there is nothing to sync between "
                  f"nodes: every step is synchronous")
         return None
-    if cfg.outer_overlap == "on":
+    if cfg.outer_overlap == "on" or (cfg.outer_overlap == "auto" and env.device.type != "cuda"):
         nodes.background = open_background(env, nodes, watchdog, cfg.collective_timeout)
     return nodes
+
+
+def overlap_asked(cfg: TrainConfig, nodes: Nodes) -> bool | None:
+    """Whether the outer syncs cross in the background: None where --outer-overlap auto decides at
+    the first outer sync (`choose_overlap`)."""
+    if nodes.background is None:
+        return False
+    return True if cfg.outer_overlap == "on" else None
 
 
 def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW, nodes: Nodes | None,
@@ -319,7 +328,10 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
         schedule = OuterSchedule(start + first, None, cfg.num_iterations, start)
     else:
         schedule = OuterSchedule(start + every, every, cfg.num_iterations, start)
-    if diloco.overlaps and saved:  # resumed: the landing its first sync timed (None: not timed yet)
+    diloco.overlaps = overlap_asked(cfg, nodes)
+    if diloco.overlaps is None and saved:  # auto, resumed: what its first sync chose (None: not yet)
+        diloco.overlaps = saved.get("overlap")
+    if diloco.overlaps is not False and saved:  # resumed: the landing its first sync timed (None: not timed yet)
         schedule.land_after = saved.get("land_after")
     average = " (a plain average)" if (cfg.outer_lr, cfg.outer_momentum) == (1, 0) else ""
     log(env, f"local steps: node {nodes.index} of {nodes.count} (ranks {nodes.ranks[nodes.index]}), "
@@ -327,8 +339,11 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
              f"{schedule.every or f'auto (first after {schedule.first - start})'} steps from step {start}, outer lr "
              f"{cfg.outer_lr} Nesterov momentum {cfg.outer_momentum}{average}, "
              f"{diloco.sent_bytes / 2**20:.1f} MiB sent per outer step by the node's first rank"
-             + ("; each crosses in the background of the next inner phase (--outer-overlap on), but before an "
-                "evaluation, a sample, a checkpoint or the last step" if diloco.overlaps else ""))
+             + {True: "; each crosses in the background of the next inner phase (--outer-overlap on), but before "
+                      "an evaluation, a sample, a checkpoint or the last step",
+                None: "; --outer-overlap auto: the syncs cross in the background of the next inner phase where a "
+                      "blocking one would hold the nodes more than 5% of the time, as the first sync's timing "
+                      "says"}.get(diloco.overlaps, ""))
     return diloco, schedule
 
 
@@ -366,7 +381,7 @@ def choose_after_timed_steps(cfg: TrainConfig, env: DistEnv, nodes: Nodes, warm:
         choice["asked_until"] = sync_warmup_steps(cfg)  # a restart that asks for fewer gets fewer
         log(env, f"sync-every auto: {cap_why}")
         choice["first_phase"], first_why = first_outer_phase(wire_s, work_s, max(map(len, nodes.ranks)),
-                                                             overlap=nodes.background is not None)
+                                                             overlap=overlap_asked(cfg, nodes))
         log(env, f"sync-every auto: {first_why}")
     return choice
 
@@ -425,26 +440,32 @@ def stepping_loss_scale(env: DistEnv, nodes: Nodes | None, sizes: list[int], acc
 
 
 def outer_sync(env: DistEnv, tracker: Tracker, diloco: DiLoCo, schedule: OuterSchedule, step: int,
-               last_step_s: float, watchdog: Watchdog, whole: bool) -> OuterStats:
-    """The nodes meet: the outer step, its line and metrics; with auto, the first one chooses H.
-    With --outer-overlap on it leaves in the background, to land `schedule.land_after` steps later,
-    unless the nodes must be `whole` after it (at theta_global) or it is the first, which is timed."""
+               last_step_s: float, compute_rate: float, watchdog: Watchdog, whole: bool) -> OuterStats:
+    """The nodes meet: the outer step, its line and metrics; with auto, the first one chooses H, and
+    with --outer-overlap auto whether the next ones overlap. Overlapped, it leaves in the background,
+    to land `schedule.land_after` steps later, unless the nodes must be `whole` after it (at
+    theta_global) or it is the first, which is timed. `compute_rate`: the CPU seconds per second this
+    process got in the forward and backward of the step that ended here."""
     overlap = diloco.overlaps and not whole and schedule.every is not None and schedule.land_after is not None
     land_at = None
     if overlap and step + schedule.land_after < min(step + schedule.every, schedule.last):
         land_at = step + schedule.land_after  # else at the next boundary
     with watchdog.phase(diloco.phase, step):
         outer = diloco.outer_step(last_step_s, step, overlap, land_at)
-    if schedule.every is None or (diloco.overlaps and schedule.land_after is None):
+    if schedule.every is None or (diloco.overlaps is not False and schedule.land_after is None):
         # every rank must choose alike, from the same figures: the shortest sync any rank saw, the
         # last node's to arrive (the others' also holds their wait for it, which is the inner
-        # phases' imbalance, not the wire's), the slowest step, and the most any rank's sync did
-        # but wait (what stays on the loop when it overlaps)
-        seen = torch.tensor([-outer.sync_s, outer.slowest_step_s, outer.sync_s - outer.wait_s],
+        # phases' imbalance, not the wire's), the slowest step, and the most any rank's sync cost
+        # it overlapped (`overlap_work_s`)
+        seen = torch.tensor([-outer.sync_s, outer.slowest_step_s,
+                             overlap_work_s(outer, compute_rate)],
                             dtype=torch.float64, device=env.device)
         with watchdog.phase("all_reduce outer sync seconds", step):
             dist.all_reduce(seen, op=dist.ReduceOp.MAX)
         sync_s, step_s, work_s = -float(seen[0]), float(seen[1]), float(seen[2])
+        if diloco.overlaps is None:
+            diloco.overlaps, why = choose_overlap(sync_s, step_s, work_s, schedule.every)
+            log(env, f"outer-overlap auto: {why}")
         if schedule.every is None:
             schedule.every, why = choose_sync_every(sync_s, step_s, work_s if diloco.overlaps else None)
             log(env, f"sync-every auto: H={schedule.every} ({why})")
@@ -469,6 +490,18 @@ def outer_sync(env: DistEnv, tracker: Tracker, diloco: DiLoCo, schedule: OuterSc
         metrics["outer_background_s"] = outer.background_s
     tracker.log_metrics(metrics, step)
     return outer
+
+
+def overlap_work_s(outer: OuterStats, compute_rate: float) -> float:
+    """What a (blocking, timed) outer sync would cost this rank's inner steps overlapped: the part it
+    did but wait (its weights read and written stay on the loop), or where more, the CPU time the
+    sync took (the thread's exchange, Gloo's copies) at the rate the steps' compute gets CPU time
+    (`compute_rate`, CPU seconds a second: on a node capped at half a core, 0.5): on a node with
+    no core to spare, what the thread takes the steps lose. With a core to spare the CPU would
+    cost nothing, and H errs long. (The compute's rate, not the step's: a step also waits, on the
+    slower nodes' stop flags, and waiting takes no CPU.)"""
+    own = outer.cpu_s / compute_rate if compute_rate > 0 else 0.0
+    return max(outer.sync_s - outer.wait_s, own)
 
 
 def land_outer_sync(env: DistEnv, tracker: Tracker, diloco: DiLoCo, step: int, watchdog: Watchdog) -> float:
@@ -721,11 +754,12 @@ def run(cfg: TrainConfig) -> int:
             opt.zero_grad()
             if env.master:
                 log(env, line)
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         loss_sum = accumulate_gradients(cfg, env, compiling.model_for_step(), loader, opt, ctx, accum, loss_scale,
                                         step)
         sync(env.device)  # CUDA queues work: time what ran, not what was queued
         t_compute = time.perf_counter() - t0
+        compute_rate = (time.process_time() - cpu0) / t_compute if t_compute > 0 else 0.0
         mult = lr_multiplier(cfg, step)
         for g in opt.groups:
             g.lr_multiplier = mult
@@ -756,7 +790,7 @@ def run(cfg: TrainConfig) -> int:
             outer_wait = land_outer_sync(env, tracker, diloco, step, watchdog)
             comm_wait += outer_wait
         if diloco is not None and boundary:
-            outer = outer_sync(env, tracker, diloco, schedule, step, time.perf_counter() - t0, watchdog,
+            outer = outer_sync(env, tracker, diloco, schedule, step, time.perf_counter() - t0, compute_rate, watchdog,
                                whole_after(cfg, schedule, step, stopping))
             outer_wait, overlapped = outer.wait_s, outer.overlapped
             comm_wait += outer_wait
@@ -845,7 +879,7 @@ def run(cfg: TrainConfig) -> int:
             if diloco is not None:  # at a boundary: the model is theta_global; the outer momentum, the chosen H
                 extra |= {"outer": diloco.state_dict(),
                           "sync_schedule": {"first": schedule.first, "every": schedule.every,
-                                            "land_after": schedule.land_after}}
+                                            "land_after": schedule.land_after, "overlap": diloco.overlaps}}
             if background is not None:  # one at a time: the last one's bytes go before this one is taken
                 background.wait(step)
             if background is not None and diloco is not None and not (last or stopping):

@@ -22,13 +22,15 @@ from nanochat_cpu.sync_diloco import (
     DiLoCo,
     Nodes,
     OuterSchedule,
+    OuterStats,
+    choose_overlap,
     choose_sync_every,
     first_outer_phase,
     keep_synchronous,
     landing_steps,
     warm_up_end,
 )
-from nanochat_cpu.train import PhaseTimes, auto_on_resume
+from nanochat_cpu.train import PhaseTimes, auto_on_resume, overlap_work_s
 from tests.local_steps_worker import OUTER_LR, OUTER_MOMENTUM
 from tests.test_train_runs import losses, read_until, tiny_flags, train_target
 from tests.torchrun_helpers import REPO, SLOW_CHECKPOINT_TRAIN, free_port, kill_tree, node_env, spawn_node
@@ -255,11 +257,12 @@ def test_trainer_overlapped_syncs_land_mid_phase_and_a_resume_from_a_whole_bound
         assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
 
 
-@pytest.mark.parametrize("overlap", ["off", "on"])
+@pytest.mark.parametrize("overlap", ["auto", "on"])
 def test_trainer_auto_picks_one_h_on_every_rank_of_two_two_rank_nodes(overlap, tiny_data_dir, tiny_tokenizer_dir,
                                                                       tmp_path):
     """Overlapped, auto times its first outer sync blocking all the same, and then needs only the
-    phase that sync takes to cross (and its own work held to 5%): every rank picks the same H."""
+    phase that sync takes to cross (and its own work held to 5%): every rank picks the same H.
+    With --outer-overlap auto, a loopback sync is short against the steps: every rank blocks."""
     results = run_nodes(2, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, sync_every="auto",
                                                     sync_warmup_ratio=0, checkpoint_every=0, total_batch_size=512,
                                                     outer_overlap=overlap)),
@@ -269,8 +272,54 @@ def test_trainer_auto_picks_one_h_on_every_rank_of_two_two_rank_nodes(overlap, t
     assert sorted(r for r, _, _ in chosen) == ["0", "1", "2", "3"] and len({h for _, h, _ in chosen}) == 1, out
     overlapped = {"s of it this node's own work" in why for _, _, why in chosen}
     assert overlapped == {overlap == "on"}, out
+    if overlap == "auto":
+        decided = re.findall(r"rank (\d)/4\] outer-overlap auto: a blocking sync of .*: blocking$", out, re.M)
+        assert sorted(decided) == ["0", "1", "2", "3"], out
+        assert "overlapped: it crosses in the background" not in out
     assert out.count("share parameters, gradients and optimizer state") == 4  # within each node: shared memory
     assert "eval step 00012 val_bpb=" in out
+
+
+def test_outer_overlap_auto_overlaps_where_a_blocking_sync_would_hold_the_nodes_and_a_resume_keeps_it(
+        tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """Every outer sync's exchange sleeps 2 s more (slow_compute_train's OUTER_WIRE_S) against inner
+    steps of ~0.2 s (node 1's compute): blocking, auto would need H ~190 for 5%, past its cap, so
+    --outer-overlap auto times the first sync (blocking), chooses to overlap the next ones, and H
+    from the steps they take to cross (~14). They cross in the background; the one after the
+    checkpoint due at 35 and the last block. A run resumed from that checkpoint keeps the choice,
+    overlaps again (at any H from 8 to 25 a sync between it and step 70 is not whole) and
+    repeats the uninterrupted losses."""
+    def nodes_out() -> str:
+        port, env = free_port(), {**node_env(), "SLOW_S": "0.2", "SLOW_RANK": "1", "SLOW_BUSY": "1",
+                                  "OUTER_WIRE_S": "2"}
+        flags = [[SLOW_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every="auto",
+                                          outer_overlap="auto", num_iterations=70, sync_warmup_ratio=0,
+                                          checkpoint_every=35)] for node in range(2)]
+        return assert_ok(collect([spawn_node(2, n, port, flags[n], env=env) for n in range(2)], 240))
+
+    first = nodes_out()
+    assert "--outer-overlap auto: the syncs cross in the background of the next inner phase where" in first
+    decided = re.findall(r"outer-overlap auto: a blocking sync of 2\.\d\d s against 0\.\d\d-s inner steps is "
+                         r"\d+% of the wall time at H = 100 \(auto's cap\); overlapped, .* at H = (\d+): overlapped$",
+                         first, re.M)
+    assert len(decided) == 2 and len(set(decided)) == 1, first  # every rank alike
+    h = int(re.search(r"sync-every auto: H=(\d+) \(outer sync", first).group(1))
+    assert 8 <= h <= 25 and h == int(decided[0]), first
+    assert re.search(r"outer step 2 at step \d+: .* overlapped: it crosses in the background", first), first
+    assert re.search(r"outer step \d+ at step 00070: .* pseudo_grad_norm=", first), first  # the last one blocks
+    full = losses(first)
+    assert sorted(full) == list(range(1, 71))
+    saved = [sorted((tmp_path / f"n{node}" / "checkpoints").glob("step_*")) for node in range(2)]
+    for step_dir in [d for dirs in saved for d in dirs[1:]]:  # the run ends after its first checkpoint
+        for f in step_dir.iterdir():
+            f.unlink()
+        step_dir.rmdir()
+    second = nodes_out()
+    assert f"resumed from checkpoint step {int(saved[0][0].name.removeprefix('step_'))}" in second, second
+    assert "outer-overlap auto:" not in second, second
+    assert "overlapped: it crosses in the background" in second, second
+    for step, loss in losses(second).items():
+        assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
 
 
 def test_auto_times_the_sync_of_the_last_node_to_arrive_not_the_wait_for_it(tiny_data_dir, tiny_tokenizer_dir,
@@ -775,6 +824,9 @@ def test_auto_sets_the_first_inner_phase_from_the_warm_ups_wire_wait():
     # overlapped: the steps a sync takes to cross (1.5x its time), where blocking would need 19x
     assert first_outer_phase(wire_s=110.0, work_s=30.0, overlap=True)[0] == 6
     assert first_outer_phase(wire_s=0.1, work_s=0.5, overlap=True)[0] == AUTO_FIRST_PHASE
+    # --outer-overlap auto: overlapped only where the blocking H would be capped
+    assert first_outer_phase(wire_s=110.0, work_s=30.0, overlap=None)[0] == 70
+    assert first_outer_phase(wire_s=300.0, work_s=30.0, overlap=None)[0] == 15  # 1.5 x 10, where blocking needs 190
 
 
 def test_a_resume_keeps_autos_warm_up_end_unless_the_restart_asks_for_a_shorter_warm_up():
@@ -812,6 +864,31 @@ def test_auto_overlapped_needs_the_steps_a_sync_crosses_in_and_holds_its_own_wor
     assert choose_sync_every(sync_s=0.01, step_s=2.0, work_s=0.0)[0] == AUTO_FIRST_PHASE
     h, why = choose_sync_every(sync_s=300.0, step_s=1.0, work_s=10.0)
     assert h == AUTO_MAX_H and "capped" in why
+
+
+def test_outer_overlap_auto_overlaps_only_where_a_blocking_sync_cannot_be_held_to_five_percent():
+    overlap, why = choose_overlap(sync_s=1.0, step_s=1.0, work_s=0.1, every=None)
+    assert not overlap and "at most 5% of the wall time from H >= 19.0: blocking" in why  # the demo's kind of link
+    # 10 Mbit/s at depth 4: blocking is capped at 100 and waits 17%; overlapped, H = 32 (the steps it crosses in)
+    overlap, why = choose_overlap(sync_s=25.0, step_s=1.2, work_s=0.5, every=None)
+    assert overlap and "is 17% of the wall time at H = 100 (auto's cap)" in why and "1% at H = 32: overlapped" in why
+    # the thread's CPU counted: overlapped still waits less than blocking's 17%, until its own work is more
+    assert choose_overlap(sync_s=25.0, step_s=1.2, work_s=20.0, every=None)[0]
+    assert not choose_overlap(sync_s=25.0, step_s=1.2, work_s=30.0, every=None)[0]
+    # an H asked for: blocking where it holds the sync to 5% there, overlapped where not
+    assert not choose_overlap(sync_s=1.0, step_s=1.0, work_s=0.1, every=30)[0]
+    overlap, why = choose_overlap(sync_s=1.0, step_s=1.0, work_s=0.1, every=8)
+    assert overlap and "is 11% of the wall time at H = 8" in why
+    # a sync longer than the phase is waited for at the next boundary even overlapped
+    overlap, why = choose_overlap(sync_s=10.0, step_s=1.0, work_s=0.1, every=2)
+    assert overlap and "and 8.00 s still crossing at the next boundary is 80% at H = 2" in why
+
+
+def test_an_overlapped_syncs_own_work_counts_the_cpu_its_thread_takes_from_the_inner_steps():
+    sync = OuterStats(sync_s=3.0, wait_s=2.8, pseudo_grad_norm=0.0, sent_bytes=0, slowest_step_s=1.0, cpu_s=0.3)
+    assert overlap_work_s(sync, compute_rate=0.5) == pytest.approx(0.6)  # a 0.5-CPU node: 0.3 s of CPU
+    assert overlap_work_s(sync, compute_rate=2.0) == pytest.approx(0.2)  # two cores: the loop's part
+    assert overlap_work_s(sync, compute_rate=0.0) == pytest.approx(0.2)
 
 
 def test_an_overlapped_sync_lands_after_the_steps_it_needs_and_at_the_latest_at_the_next_boundary():

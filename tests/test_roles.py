@@ -482,7 +482,7 @@ def test_sync_every_and_the_outer_step_reach_the_trainer_flags(tmp_path: Path) -
     res = run_validate_on_localhost(tmp_path, {}, "-e", "sync_every=auto", "-e", "outer_lr=0.5")
     assert res.returncode == 0, res.stdout + res.stderr
     args = (tmp_path / "train_args").read_text()
-    assert ("--sync-every auto --outer-lr 0.5 --outer-momentum 0.0 --outer-overlap off --sync-warmup-ratio 0.05"
+    assert ("--sync-every auto --outer-lr 0.5 --outer-momentum 0.0 --outer-overlap auto --sync-warmup-ratio 0.05"
             in args), args
     res = run_validate_on_localhost(tmp_path, {}, "-e", "sync_every=8", "-e", "sync_warmup_ratio=0", "-e",
                                     "outer_overlap=on")
