@@ -34,16 +34,18 @@ meet every H steps; `auto` = the trainer picks H (column `h` = the H it used, fr
 step 1 (--sync-warmup-ratio 0): a run's synchronous warm-up trains at the H = 1 row's speed.
 
 The measured window. With H = 1: the steps after --warmup-steps, averaged. With H > 1 only the
-boundary steps carry the outer sync (in their dt), so a mean over any steps would depend on how
-many boundaries it caught: the window runs from just after one outer sync to an outer sync whole
-periods later (from rank 0's `outer step K at step S` lines), and tok/s = its tokens / the sum of
-its dt. It starts at the first outer sync at or after the warm-up, and for auto also at or after
-the step where H was picked, so the first outer sync (for auto the one H is measured on) stays
-out. An integer H runs H x max(1, ceil(warmup / H)) + 2H steps: exactly two whole periods
-measured. auto runs --auto-steps steps (H is not known before: the trainer caps it at 100) and
-measures every whole period after the pick (column `periods`); it stops with the step count to
-use when not even one fits. `--auto-periods N` cuts an auto run once N whole periods after the pick
-are logged: a long --auto-steps then costs nothing past them (at 10 Mbit/s a period is 40 minutes).
+boundary steps carry the outer sync (in their dt), so a mean over any steps would depend on how many
+boundaries it caught: the window runs from just after one outer sync to an outer sync whole periods
+later (from rank 0's `outer step K at step S` lines), and tok/s = its tokens / the sum of its dt. It
+starts at the first outer sync at or after the warm-up, and for auto also at or after the step where
+H was picked, so the first outer sync (for auto the one H is measured on) stays out. An integer H
+runs H x max(1, ceil(warmup / H)) + 2H steps: exactly two whole periods measured. Where the syncs
+overlap the inner steps (--outer-overlap), the run's last sync still blocks, once a run: a window
+never ends at the last step then. auto runs --auto-steps steps (H is not known before: the trainer
+caps it at 100) and measures every whole period after the pick (column `periods`); it stops with the
+step count to use when not even one fits. `--auto-periods N` cuts an auto run once N whole periods
+after the pick are logged: a long --auto-steps then costs nothing past them (at 10 Mbit/s a period
+is 40 minutes).
 
 A cluster run is measured once rank 0 gives its verdict at the last step (`at the end:`): the
 bench then SIGKILLs the trainers rather than wait for the run's final checkpoint (every rank's state
@@ -85,6 +87,7 @@ STEP = re.compile(r"step (\d+)/\d+ (?:\([0-9.]+%\) )?loss=.*?dt_ms=(\d+) tok_per
                   r"compute_ms=(\d+) optim_ms=(\d+) comm_wait_ms=(\d+)")
 OUTER = re.compile(r"outer step \d+ at step (\d+)\b(?:.*?sync_s=([0-9.]+))?")  # loose: the format may grow
 AUTO = re.compile(r"sync-every auto: H=(\d+)")
+OVERLAPPED = "overlapped: it crosses in the background"  # an outer step line of --outer-overlap
 
 
 @dataclass
@@ -195,7 +198,9 @@ def measured_window(out: str, sync_every: str, warmup: int, num_steps: int) -> t
                          f"rank 0's output (H={h}, {num_steps} steps; the line looks like 'outer step K at step S'):"
                          f"\n{out[-3000:]}")
     first = starts[0]
-    last = max(s for s in starts if (s - first) % h == 0)
+    # overlapped, the run's last sync blocks (as it must for the final weights): once a run, not a period's cost
+    ends = [s for s in starts if (s - first) % h == 0 and not (s == num_steps and OVERLAPPED in out)]
+    last = max(ends, default=first)
     if last == first:
         raise SystemExit(f"scaling_bench: H={h} leaves no whole outer period after step {first} of {num_steps}; "
                          f"run at least {first + 2 * h} steps (--auto-steps)")

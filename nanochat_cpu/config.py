@@ -118,7 +118,8 @@ class TrainConfig:
                           "steps and lands a few steps late (none before an evaluation, a sample, a checkpoint or "
                           "the last step; --sync-every auto then needs only the steps a sync takes to cross); "
                           "auto = on where the first, timed, outer sync says a blocking one would hold the nodes "
-                          "more than 5 percent of the time at the H they run, off elsewhere and on CUDA"},
+                          "more than 5 percent of the time at the H they run and overlapped its own part is less, "
+                          "off elsewhere and on CUDA; a resumed run keeps auto's choice"},
     )
     # local steps cost the most quality early, while the model changes fastest (post-local SGD)
     sync_warmup_ratio: float = field(

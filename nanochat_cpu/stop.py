@@ -88,8 +88,9 @@ class StopBudget:
 
     def check(self, step: int, step_s: float, took: list[tuple[int, float] | None], crossing: bool) -> str | None:
         """The warning to log, or None. step_s: the steps a stop still runs (with local steps an outer
-        sync in them); took: the last checkpoints' (step, seconds to reach every disk) where known;
-        crossing: checkpoints cross in the background, so a stop may meet one on its way."""
+        sync in them; overlapped, also the one in flight); took: the last checkpoints' (step, seconds
+        to reach every disk) where known; crossing: checkpoints cross in the background, so a stop
+        may meet one on its way."""
         known = [t for t in took if t is not None]
         if self.budget_s is None or self.said or not known:
             return None

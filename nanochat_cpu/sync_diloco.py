@@ -96,7 +96,7 @@ class Nodes:
     group: dist.ProcessGroup | None  # this node's ranks (None: the node has one rank, it steps alone)
     leaders: dist.ProcessGroup | None  # every node's first rank (None: the world, one rank per node)
     rank: int  # this rank's global rank
-    background: Background | None = None  # where overlapped outer syncs go (--outer-overlap on)
+    background: Background | None = None  # where overlapped outer syncs go (--outer-overlap on or auto)
 
     @property
     def count(self) -> int:
@@ -346,6 +346,7 @@ class OuterStats:
     background_s: float = 0.0  # overlapped: how long the sync that landed took in the background
     overlapped: bool = False  # this one left in the background: the nodes are not at theta_global
     cpu_s: float = 0.0  # the CPU time this process took meanwhile, every thread's (a sync's thread's too)
+    landed: Landed | None = None  # blocking: an overlapped sync that landed first (leaders only)
 
 
 @dataclass
@@ -374,6 +375,7 @@ class DiLoCo:
         self.overlaps: bool | None = nodes.background is not None
         self.outer_steps = 0
         self.wait_s = 0.0  # of the last outer step
+        self.crossing_s = 0.0  # how long the last sync took to cross (its exchange, or in the background; leaders)
         self.flight: threading.Thread | None = None  # an overlapped sync under way (leaders only)
         self.lands_at: int | None = None  # the step it lands at, mid-phase (every rank of the node knows)
         self.landed: Landed | None = None  # what it agreed on, once done
@@ -446,6 +448,7 @@ class DiLoCo:
         # (squared norm of the delta's slice, mean inner step, seconds in the background): summed,
         # maxed and maxed over the nodes
         stats = torch.tensor([0.0, mean_step_s, 0.0], dtype=torch.float64, device=self.params[0].device)
+        before = None  # blocking: what the sync in flight agreed on, where one landed first
         if self.nodes.leader:
             landed = self._land()
             if overlap:
@@ -454,6 +457,7 @@ class DiLoCo:
                                      [landed.norm_sq, landed.slowest_step_s, landed.took_s],
                                      dtype=torch.float64, device=stats.device)
             else:
+                before = landed
                 stats[0] = self._leader_step(share)
                 everyone = torch.empty(self.nodes.count * 3, dtype=torch.float64, device=stats.device)
                 self._wait(all_gather(everyone, stats, group=self.nodes.leaders, async_op=True))
@@ -469,17 +473,27 @@ class DiLoCo:
         sync(self.params[0].device)
         return OuterStats(time.perf_counter() - t0, self.wait_s, float(stats[0]) ** 0.5,
                           self.sent_bytes if self.nodes.leader else 0, float(stats[1]), float(stats[2]), overlap,
-                          time.process_time() - cpu0)
+                          time.process_time() - cpu0, before)
 
     def _leader_step(self, share: float) -> float:
         """The outer update of this leader's slice, theta_global back on every leader and in this
         node's weights; returns the squared norm of the delta in this slice."""
         self.flatten_into(self.local)
         self._delta(share)
+        t0 = time.perf_counter()
         norm_sq, waited = self._exchange(self.nodes.leaders)
+        self.crossing_s = time.perf_counter() - t0
         self.wait_s += waited
         self.load_from(self.theta)
         return norm_sq
+
+    def stop_s(self) -> float:
+        """At a boundary, what the outer syncs add to a stop beyond that boundary step's own time
+        (StopBudget). Where its sync blocked, that step's time holds a crossing already, as the
+        stop's own sync will take. Where its sync left in the background it does not, and a stop
+        before that sync lands waits for it, then blocks on its own: two crossings, each as long as
+        the last one took (leaders; the others' figure is never said)."""
+        return 2 * self.crossing_s if self.flight is not None else 0.0
 
     def _delta(self, share: float) -> None:
         """This node's weighted delta, theta_global - theta_n (theta_n in self.local), ready to send."""
@@ -574,6 +588,8 @@ class DiLoCo:
         self.flight.join()
         self.wait_s += time.perf_counter() - t0
         self.flight = None
+        if self.landed is not None:
+            self.crossing_s = self.landed.took_s
         self.flatten_into(self.local)
         self.local.sub_(self.base).add_(self.theta)
         self.load_from(self.local)

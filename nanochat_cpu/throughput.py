@@ -113,8 +113,9 @@ def round_up(tokens: int, unit: int) -> int:
 
 
 def verdict(est: Estimate, timings: list[RankTiming], total_tokens: int, unit: int,
-            local_steps: bool = False) -> tuple[bool, str]:
-    """(slower than the fastest node alone?, one log line that says so and what to change)."""
+            local_steps: bool = False, halvable: bool = True) -> tuple[bool, str]:
+    """(slower than the fastest node alone?, one log line that says so and what to change).
+    `halvable`: something still travels in fp32, so bf16 on the wire would halve its bytes."""
     ranks = [r for r, t in enumerate(timings) if t.host == est.fastest]
     who = (f"rank {ranks[0]}@{est.fastest} would do alone" if len(ranks) == 1 else
            f"ranks {'+'.join(map(str, ranks))}@{est.fastest} would do alone as one process")
@@ -132,7 +133,8 @@ def verdict(est: Estimate, timings: list[RankTiming], total_tokens: int, unit: i
     if est.break_even_tokens is not None:
         fixes.append(f"--total-batch-size >= {round_up(max(est.break_even_tokens, total_tokens + 1), unit):,} "
                      f"(break-even at this split; now {total_tokens:,})")
-    fixes.append("--grad-comm-dtype bfloat16 --param-comm-dtype bfloat16 (half the bytes)")
+    if halvable:
+        fixes.append("--grad-comm-dtype bfloat16 --param-comm-dtype bfloat16 (half the bytes)")
     quickest = min(t.compute_s for t in timings)
     if compute > 1.2 * quickest:
         fixes.append(f"--rank-batch-sizes auto or per-host rows (compute per step is uneven: {quickest:.2f}-"

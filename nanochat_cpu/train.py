@@ -297,12 +297,27 @@ def find_local_step_nodes(cfg: TrainConfig, env: DistEnv, watchdog: Watchdog) ->
     return nodes
 
 
-def overlap_asked(cfg: TrainConfig, nodes: Nodes) -> bool | None:
+def overlap_line(cfg: TrainConfig, overlaps: bool | None) -> str:
+    """The set-up line's word on --outer-overlap."""
+    chosen = ", as auto chose before the checkpoint" if cfg.outer_overlap == "auto" else ""
+    if overlaps:
+        return (f"; each crosses in the background of the next inner steps (--outer-overlap {cfg.outer_overlap}"
+                f"{chosen}), but before an evaluation, a sample, a checkpoint, a stop or the last step")
+    if overlaps is None:
+        return ("; --outer-overlap auto: the syncs cross in the background of the next inner steps where a blocking "
+                "one would hold the nodes more than 5% of the time, as the next sync's timing says")
+    return f"; every sync blocks{chosen}" if chosen and cfg.device != "cuda" else ""
+
+
+def overlap_asked(cfg: TrainConfig, nodes: Nodes, saved: dict | None = None) -> bool | None:
     """Whether the outer syncs cross in the background: None where --outer-overlap auto decides at
-    the first outer sync (`choose_overlap`)."""
-    if nodes.background is None:
+    the next outer sync (`choose_overlap`). Resumed (`saved`: the checkpoint's sync_schedule), auto
+    keeps what it chose before; a run told on or off before chooses anew."""
+    if nodes.background is None:  # off, or CUDA
         return False
-    return True if cfg.outer_overlap == "on" else None
+    if cfg.outer_overlap == "on":
+        return True
+    return (saved or {}).get("overlap")
 
 
 def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW, nodes: Nodes | None,
@@ -328,10 +343,8 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
         schedule = OuterSchedule(start + first, None, cfg.num_iterations, start)
     else:
         schedule = OuterSchedule(start + every, every, cfg.num_iterations, start)
-    diloco.overlaps = overlap_asked(cfg, nodes)
-    if diloco.overlaps is None and saved:  # auto, resumed: what its first sync chose (None: not yet)
-        diloco.overlaps = saved.get("overlap")
-    if diloco.overlaps is not False and saved:  # resumed: the landing its first sync timed (None: not timed yet)
+    diloco.overlaps = overlap_asked(cfg, nodes, saved)
+    if diloco.overlaps and saved:  # resumed: the landing its first sync timed (None: not timed yet)
         schedule.land_after = saved.get("land_after")
     average = " (a plain average)" if (cfg.outer_lr, cfg.outer_momentum) == (1, 0) else ""
     log(env, f"local steps: node {nodes.index} of {nodes.count} (ranks {nodes.ranks[nodes.index]}), "
@@ -339,11 +352,7 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
              f"{schedule.every or f'auto (first after {schedule.first - start})'} steps from step {start}, outer lr "
              f"{cfg.outer_lr} Nesterov momentum {cfg.outer_momentum}{average}, "
              f"{diloco.sent_bytes / 2**20:.1f} MiB sent per outer step by the node's first rank"
-             + {True: "; each crosses in the background of the next inner phase (--outer-overlap on), but before "
-                      "an evaluation, a sample, a checkpoint or the last step",
-                None: "; --outer-overlap auto: the syncs cross in the background of the next inner phase where a "
-                      "blocking one would hold the nodes more than 5% of the time, as the first sync's timing "
-                      "says"}.get(diloco.overlaps, ""))
+             + overlap_line(cfg, diloco.overlaps))
     return diloco, schedule
 
 
@@ -445,14 +454,14 @@ def outer_sync(env: DistEnv, tracker: Tracker, diloco: DiLoCo, schedule: OuterSc
     with --outer-overlap auto whether the next ones overlap. Overlapped, it leaves in the background,
     to land `schedule.land_after` steps later, unless the nodes must be `whole` after it (at
     theta_global) or it is the first, which is timed. `compute_rate`: the CPU seconds per second this
-    process got in the forward and backward of the step that ended here."""
-    overlap = diloco.overlaps and not whole and schedule.every is not None and schedule.land_after is not None
+    process got in the forward and backward passes of the phase that ended here."""
+    overlap = bool(diloco.overlaps) and not whole and schedule.every is not None and schedule.land_after is not None
     land_at = None
     if overlap and step + schedule.land_after < min(step + schedule.every, schedule.last):
         land_at = step + schedule.land_after  # else at the next boundary
     with watchdog.phase(diloco.phase, step):
         outer = diloco.outer_step(last_step_s, step, overlap, land_at)
-    if schedule.every is None or (diloco.overlaps is not False and schedule.land_after is None):
+    if schedule.every is None or diloco.overlaps is None or (diloco.overlaps and schedule.land_after is None):
         # every rank must choose alike, from the same figures: the shortest sync any rank saw, the
         # last node's to arrive (the others' also holds their wait for it, which is the inner
         # phases' imbalance, not the wire's), the slowest step, and the most any rank's sync cost
@@ -480,14 +489,17 @@ def outer_sync(env: DistEnv, tracker: Tracker, diloco: DiLoCo, schedule: OuterSc
                     f"pseudo_grad_norm={outer.pseudo_grad_norm:.4f}")
     else:
         how = f"pseudo_grad_norm={outer.pseudo_grad_norm:.4f}"
+        if outer.landed is not None:  # the overlapped one before it landed first: what it agreed on
+            how += (f"; outer step {diloco.outer_steps - 1} landed first, after {outer.landed.took_s:.2f}s in the "
+                    f"background, pseudo_grad_norm={math.sqrt(outer.landed.norm_sq):.4f}")
     log(env, f"outer step {diloco.outer_steps} at step {step:05d}: sync_s={outer.sync_s:.2f} "
              f"wait_s={outer.wait_s:.2f} sent_mb={outer.sent_bytes / 1e6:.1f} H={schedule.every} {how}")
     metrics = {"outer_step": diloco.outer_steps, "outer_sync_s": outer.sync_s, "outer_wait_s": outer.wait_s,
                "outer_sent_mb": outer.sent_bytes / 1e6}
     if math.isfinite(outer.pseudo_grad_norm):
         metrics["pseudo_grad_norm"] = outer.pseudo_grad_norm
-    if outer.background_s:
-        metrics["outer_background_s"] = outer.background_s
+    if outer.background_s or outer.landed is not None:
+        metrics["outer_background_s"] = outer.landed.took_s if outer.landed is not None else outer.background_s
     tracker.log_metrics(metrics, step)
     return outer
 
@@ -737,6 +749,8 @@ def run(cfg: TrainConfig) -> int:
     step = start_step
     said_speed = False  # whether the cluster-vs-one-node line was logged
     phase = PhaseTimes()  # since the last timing line (with local steps: whole phases; synchronous: a step)
+    local_run = PhaseTimes()  # every local step this process ran, at the split they run at: the run's verdict
+    compute_cpu = [0.0, 0.0]  # the CPU time and the wall time of the forward and backward passes since the last sync
     warm = PhaseTimes()  # the synchronous warm-up's steps but this process's first (auto times its wire)
     warm_before_resplit = False  # whether some of them ran at a split the check has since replaced
     # this process's steps but its first, until the measured work split is checked against them
@@ -759,7 +773,8 @@ def run(cfg: TrainConfig) -> int:
                                         step)
         sync(env.device)  # CUDA queues work: time what ran, not what was queued
         t_compute = time.perf_counter() - t0
-        compute_rate = (time.process_time() - cpu0) / t_compute if t_compute > 0 else 0.0
+        compute_cpu[0] += time.process_time() - cpu0
+        compute_cpu[1] += t_compute
         mult = lr_multiplier(cfg, step)
         for g in opt.groups:
             g.lr_multiplier = mult
@@ -790,12 +805,16 @@ def run(cfg: TrainConfig) -> int:
             outer_wait = land_outer_sync(env, tracker, diloco, step, watchdog)
             comm_wait += outer_wait
         if diloco is not None and boundary:
-            outer = outer_sync(env, tracker, diloco, schedule, step, time.perf_counter() - t0, compute_rate, watchdog,
+            rate = compute_cpu[0] / compute_cpu[1] if compute_cpu[1] > 0 else 0.0
+            outer = outer_sync(env, tracker, diloco, schedule, step, time.perf_counter() - t0, rate, watchdog,
                                whole_after(cfg, schedule, step, stopping))
+            compute_cpu = [0.0, 0.0]
             outer_wait, overlapped = outer.wait_s, outer.overlapped
             comm_wait += outer_wait
         dt = time.perf_counter() - t0
         phase.add(t_compute, comm_wait, dt, outer_wait)
+        if diloco is not None:
+            local_run.add(t_compute, comm_wait, dt, outer_wait)
         if diloco is None and nodes is not None and step > start_step + 1:
             warm.add(t_compute, comm_wait, dt)
         if split_times is not None and step >= split_from:
@@ -821,6 +840,7 @@ def run(cfg: TrainConfig) -> int:
                 loss_scale = stepping_loss_scale(env, nodes if diloco is not None else None, sizes, accum)
                 if not boundary:  # the phase's timings so far were of the old split
                     phase = phase.restarted()
+                local_run = local_run.restarted()
                 resplit = boundary
                 compiling.restart_timing()
                 warm_before_resplit = auto_choice is None and warm.steps > 0  # auto's timings so far: the old split's
@@ -852,7 +872,10 @@ def run(cfg: TrainConfig) -> int:
             # resume re-splits at the step the uninterrupted run did
             split_times, split_settled, split_from = PhaseTimes(), False, step + 2
         if env.distributed and (schedule.due(10, step) or last):
-            said_speed = log_rank_timings(cfg, env, tracker, step, *timed, *phase.per_step(), watchdog,
+            # the run's verdict: every local step's means, its first (timed) and last (blocking) syncs
+            # in them; the last phase's alone may be a few steps and a sync
+            times = local_run.per_step() if last and local_run.steps else phase.per_step()
+            said_speed = log_rank_timings(cfg, env, tracker, step, *timed, *times, watchdog,
                                           said_speed, local_steps=diloco is not None, last=last,
                                           warm_up_until=warm_until if diloco is None else 0)
             phase = PhaseTimes()
@@ -879,7 +902,9 @@ def run(cfg: TrainConfig) -> int:
             if diloco is not None:  # at a boundary: the model is theta_global; the outer momentum, the chosen H
                 extra |= {"outer": diloco.state_dict(),
                           "sync_schedule": {"first": schedule.first, "every": schedule.every,
-                                            "land_after": schedule.land_after, "overlap": diloco.overlaps}}
+                                            "land_after": schedule.land_after,
+                                            # what auto chose (a run told on or off chooses anew under auto)
+                                            "overlap": diloco.overlaps if cfg.outer_overlap == "auto" else None}}
             if background is not None:  # one at a time: the last one's bytes go before this one is taken
                 background.wait(step)
             if background is not None and diloco is not None and not (last or stopping):
@@ -890,7 +915,9 @@ def run(cfg: TrainConfig) -> int:
             tracker.flush()
         if not (last or stopping):
             # the stop is agreed one step after the signal: a step, then one that ends with the outer sync
-            warning = stop_budget.check(step, 2 * dt - outer_wait, [saved, background.took if background else None],
+            # (overlapped: the sync in flight lands, then the stop's own blocks)
+            stop_s = 2 * dt - outer_wait + (diloco.stop_s() if diloco is not None else 0.0)
+            warning = stop_budget.check(step, stop_s, [saved, background.took if background else None],
                                         crossing=background is not None and diloco is not None)
             if warning and env.master:
                 log(env, warning)

@@ -190,7 +190,8 @@ def log_rank_timings(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int
     (returns True once said), loudly if it is not, and again at the last step (`at the end:`),
     from the warmed-up timings the run's summary reports. The times are one step's (with local steps:
     the means over the whole phases since the last timing line, their outer syncs and landings
-    included: a short phase, such as a last one of a step and its sync, is not taken for the run). Up to step
+    included, and at the last step over every local step the process ran: a short last phase of
+    a few steps and a long sync is not taken for the run). Up to step
     `warm_up_until` (the synchronous warm-up of a run with local steps) the speed is said as that
     phase's only: the run's verdict waits for the local steps it is set to run."""
     mine = torch.tensor([compute_s, wait_s, step_s], dtype=torch.float64, device=env.device)
@@ -206,7 +207,9 @@ def log_rank_timings(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int
     timings = [throughput.RankTiming(env.hosts[r], sizes[r] * accum * cfg.max_seq_len, *map(float, t))
                for r, t in enumerate(everyone)]
     est = throughput.estimate(timings, cfg.total_batch_size, local_steps)
-    slower, line = throughput.verdict(est, timings, cfg.total_batch_size, sum(sizes) * cfg.max_seq_len, local_steps)
+    halvable = "float32" in (cfg.grad_comm_dtype, cfg.param_comm_dtype)
+    slower, line = throughput.verdict(est, timings, cfg.total_batch_size, sum(sizes) * cfg.max_seq_len, local_steps,
+                                      halvable)
     tracker.log_metrics({**{f"{k}_ms_rank{r}": float(t[i]) * 1000 for r, t in enumerate(everyone)
                             for i, k in enumerate(("compute", "comm_wait"))},
                          "vs_fastest_node_est": est.vs_fastest, "slower_than_one_node": float(slower)}, step)

@@ -12,6 +12,9 @@ cross-rank checksum the trainer runs after every outer step must stop every rank
 `overlapped OUT ROWS`: as `weighted`, over three phases, the first two outer steps overlapped (each
 lands at the next), the last one not; each node's first rank writes its parameters before each
 outer step (OUT/node{n}.{k}.pt), rank 0 the initial and final ones (OUT/global.0.pt, global.3.pt).
+`overlapped-mid OUT ROWS`: the same, each overlapped sync landing mid-phase, one inner step after
+it left; each node's first rank also writes its parameters just before and after the landing
+(OUT/node{n}.{k}.mid.pt, OUT/node{n}.{k}.landed.pt).
 `diverge-overlapped`: the last node's theta_global is nudged before an overlapped outer step (bf16
 updates, which every leader adds to its own theta): the sync's thread must stop every rank.
 LOCAL_COMM=auto|gloo: the node's ranks share memory (where there are two) or step through Gloo.
@@ -131,7 +134,7 @@ def diverge() -> None:
     print(f"rank {env.rank}: parameters agree", flush=True)
 
 
-def overlapped(out: str, rows_arg: str) -> None:
+def overlapped(out: str, rows_arg: str, mid: bool = False) -> None:
     rows = [int(r) for r in rows_arg.split(",")]
     env, model, opt, diloco, share = build(OUTER_LR, OUTER_MOMENTUM, rows, overlap=True)
     node_rows = rows[diloco.nodes.index]
@@ -139,11 +142,18 @@ def overlapped(out: str, rows_arg: str) -> None:
     if env.rank == 0:
         save(model, Path(out) / "global.0.pt")
     for k in range(3):
-        for _ in range(2):
+        for i in range(2):
             inner_step(model, opt, torch.randint(0, VOCAB, (sum(rows), SEQ + 1), generator=gen), share, node_rows)
+            if i == 0 and diloco.lands_at == 2 * k + 1:
+                name = f"node{diloco.nodes.index}.{k - 1}"
+                if diloco.nodes.leader:
+                    save(model, Path(out) / f"{name}.mid.pt")
+                diloco.land()
+                if diloco.nodes.leader:
+                    save(model, Path(out) / f"{name}.landed.pt")
         if diloco.nodes.leader:
             save(model, Path(out) / f"node{diloco.nodes.index}.{k}.pt")
-        outer = diloco.outer_step(0.0, 2 * k + 2, overlap=k < 2)
+        outer = diloco.outer_step(0.0, 2 * k + 2, overlap=k < 2, land_at=2 * k + 3 if mid and k < 2 else None)
         assert outer.overlapped == (k < 2)
     if env.rank == 0:
         save(model, Path(out) / "global.3.pt")
@@ -170,8 +180,8 @@ if __name__ == "__main__":
         identical(sys.argv[2], int(sys.argv[3]))
     elif mode == "weighted":
         weighted(sys.argv[2], sys.argv[3])
-    elif mode == "overlapped":
-        overlapped(sys.argv[2], sys.argv[3])
+    elif mode in ("overlapped", "overlapped-mid"):
+        overlapped(sys.argv[2], sys.argv[3], mid=mode == "overlapped-mid")
     elif mode == "diverge-overlapped":
         diverge_overlapped()
     else:

@@ -30,7 +30,7 @@ from nanochat_cpu.sync_diloco import (
     landing_steps,
     warm_up_end,
 )
-from nanochat_cpu.train import PhaseTimes, auto_on_resume, overlap_work_s
+from nanochat_cpu.train import PhaseTimes, auto_on_resume, overlap_asked, overlap_work_s
 from tests.local_steps_worker import OUTER_LR, OUTER_MOMENTUM
 from tests.test_train_runs import losses, read_until, tiny_flags, train_target
 from tests.torchrun_helpers import REPO, SLOW_CHECKPOINT_TRAIN, free_port, kill_tree, node_env, spawn_node
@@ -164,6 +164,39 @@ def test_overlapped_outer_steps_land_one_phase_late_as_the_update_defines(tmp_pa
         torch.testing.assert_close(got[name], expected, rtol=1e-5, atol=1e-5, msg=name)
 
 
+def test_an_overlapped_sync_landing_mid_phase_rebases_each_node_on_the_theta_global_it_brought(tmp_path):
+    """Two nodes of two ranks stepping through Gloo (the landing broadcasts the rebased weights),
+    2 and 4 rows of different batches, outer lr 0.7 and Nesterov 0.9, the first two outer steps
+    overlapped and landing one inner step after they leave. At each landing a node's weights
+    become its weights then, less those it sent from, plus the theta_global the sync brought;
+    each delta is then the progress since, and the final weights (the third outer step blocks)
+    are what that recurrence gives. Identical batches would not tell this from a wrong rebase."""
+    rows = [2, 4]
+    assert_ok(run_nodes(2, [WORKER, "overlapped-mid", str(tmp_path), ",".join(map(str, rows))], nproc=2,
+                        env_extra={"LOCAL_COMM": "gloo"}))
+    lr, mu = OUTER_LR, OUTER_MOMENTUM
+    theta = torch.load(tmp_path / "global.0.pt")
+    momentum = {name: torch.zeros_like(t) for name, t in theta.items()}
+    for k in range(3):
+        before = [torch.load(tmp_path / f"node{n}.{k}.pt") for n in range(2)]
+        new_theta = {}
+        for name in theta:
+            delta = sum(w / sum(rows) * (theta[name] - node[name]) for w, node in zip(rows, before, strict=True))
+            momentum[name] = mu * momentum[name] + delta
+            new_theta[name] = theta[name] - lr * (delta + mu * momentum[name])
+        if k < 2:
+            for n in range(2):
+                mid, landed = (torch.load(tmp_path / f"node{n}.{k}.{when}.pt") for when in ("mid", "landed"))
+                assert not torch.equal(mid["lm_head.weight"], before[n]["lm_head.weight"])  # it trained on
+                for name in theta:
+                    torch.testing.assert_close(landed[name], mid[name] - before[n][name] + new_theta[name],
+                                               rtol=1e-5, atol=1e-5, msg=f"node {n} landing {k}: {name}")
+        theta = new_theta
+    got = torch.load(tmp_path / "global.3.pt")
+    for name, expected in theta.items():
+        torch.testing.assert_close(got[name], expected, rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_the_overlapped_syncs_thread_stops_every_rank_when_a_nodes_theta_global_diverged():
     results = run_nodes(2, [WORKER, "diverge-overlapped"], nproc=2)
     out = "".join(o for _, o in results)
@@ -229,7 +262,7 @@ def test_trainer_overlapped_syncs_land_mid_phase_and_a_resume_from_a_whole_bound
     first = two_nodes(flags)
     full = losses(first)
     assert sorted(full) == list(range(1, 13))
-    assert "each crosses in the background of the next inner phase (--outer-overlap on)" in first
+    assert "each crosses in the background of the next inner steps (--outer-overlap on)" in first
     after = int(re.search(r"outer-overlap: each outer sync lands (\d+) inner steps after it leaves \(outer sync", first)
                 .group(1))
     assert after in (1, 2), first
@@ -241,8 +274,11 @@ def test_trainer_overlapped_syncs_land_mid_phase_and_a_resume_from_a_whole_bound
         assert lines[f"{step:05d}"].startswith("overlapped: it crosses in the background and lands at "), first
         if after == 1:  # mid-phase: its own line
             assert re.search(rf"outer step \d+ landed at step {step + 1:05d}: after [\d.]+s in the background", first)
-    if after == 2:  # at the next boundary
+    if after == 2:  # at the next boundary; where that one blocks, its line says what landed first
         assert "the one before landed here after" in lines["00010"], first
+        for step, number in (("00006", 2), ("00012", 5)):
+            assert re.search(rf"; outer step {number} landed first, after [\d.]+s in the background, "
+                             r"pseudo_grad_norm=\d", lines[step]), first
     for node in range(2):
         step_dir = tmp_path / f"n{node}" / "checkpoints" / "step_000012"
         for f in step_dir.iterdir():
@@ -262,11 +298,14 @@ def test_trainer_auto_picks_one_h_on_every_rank_of_two_two_rank_nodes(overlap, t
                                                                       tmp_path):
     """Overlapped, auto times its first outer sync blocking all the same, and then needs only the
     phase that sync takes to cross (and its own work held to 5%): every rank picks the same H.
-    With --outer-overlap auto, a loopback sync is short against the steps: every rank blocks."""
-    results = run_nodes(2, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, sync_every="auto",
-                                                    sync_warmup_ratio=0, checkpoint_every=0, total_batch_size=512,
-                                                    outer_overlap=overlap)),
-                        nproc=2)
+    With --outer-overlap auto, rank 3's steps 0.3 s longer (a loopback sync is then short against
+    them for certain, as on a fast link): every rank blocks."""
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, sync_every="auto", sync_warmup_ratio=0,
+                       checkpoint_every=0, total_batch_size=512, outer_overlap=overlap)
+    if overlap == "auto":
+        results = run_nodes(2, [SLOW_TRAIN, *flags], nproc=2, env_extra={"SLOW_S": "0.3", "SLOW_RANK": "3"})
+    else:
+        results = run_nodes(2, train_target(*flags), nproc=2)
     out = assert_ok(results)
     chosen = re.findall(r"rank (\d)/4\] sync-every auto: H=(\d+) \(outer sync [0-9.]+ s, ([^)]*)", out)
     assert sorted(r for r, _, _ in chosen) == ["0", "1", "2", "3"] and len({h for _, h, _ in chosen}) == 1, out
@@ -287,7 +326,7 @@ def test_outer_overlap_auto_overlaps_where_a_blocking_sync_would_hold_the_nodes_
     --outer-overlap auto times the first sync (blocking), chooses to overlap the next ones, and H
     from the steps they take to cross (~14). They cross in the background; the one after the
     checkpoint due at 35 and the last block. A run resumed from that checkpoint keeps the choice,
-    overlaps again (at any H from 8 to 25 a sync between it and step 70 is not whole) and
+    overlaps again (at any H from 8 to 22 a sync between it and step 70 is not whole) and
     repeats the uninterrupted losses."""
     def nodes_out() -> str:
         port, env = free_port(), {**node_env(), "SLOW_S": "0.2", "SLOW_RANK": "1", "SLOW_BUSY": "1",
@@ -298,13 +337,13 @@ def test_outer_overlap_auto_overlaps_where_a_blocking_sync_would_hold_the_nodes_
         return assert_ok(collect([spawn_node(2, n, port, flags[n], env=env) for n in range(2)], 240))
 
     first = nodes_out()
-    assert "--outer-overlap auto: the syncs cross in the background of the next inner phase where" in first
+    assert "--outer-overlap auto: the syncs cross in the background of the next inner steps where" in first
     decided = re.findall(r"outer-overlap auto: a blocking sync of 2\.\d\d s against 0\.\d\d-s inner steps is "
                          r"\d+% of the wall time at H = 100 \(auto's cap\); overlapped, .* at H = (\d+): overlapped$",
                          first, re.M)
     assert len(decided) == 2 and len(set(decided)) == 1, first  # every rank alike
     h = int(re.search(r"sync-every auto: H=(\d+) \(outer sync", first).group(1))
-    assert 8 <= h <= 25 and h == int(decided[0]), first
+    assert 8 <= h <= 22 and h == int(decided[0]), first
     assert re.search(r"outer step 2 at step \d+: .* overlapped: it crosses in the background", first), first
     assert re.search(r"outer step \d+ at step 00070: .* pseudo_grad_norm=", first), first  # the last one blocks
     full = losses(first)
@@ -671,6 +710,23 @@ def test_the_speed_verdict_waits_for_the_local_steps_after_the_warm_up(tiny_data
     assert re.search(r"\] at the end: (FASTER|SLOWER) THAN ONE NODE: cluster", out), out
 
 
+def test_the_runs_verdict_is_every_local_steps_means_not_its_last_short_phase(tiny_data_dir, tiny_tokenizer_dir,
+                                                                             tmp_path):
+    """Every outer sync waits 1 s more (OUTER_WIRE_S) at H = 10 of 12 steps: the last phase is two
+    steps and a sync, 0.5 s of wait a step, where over the run the two syncs are 2 s over 12. The
+    last timing line, which the run's `at the end:` verdict reads, is the run's means."""
+    port, env = free_port(), {**node_env(), "SLOW_S": "0", "SLOW_RANK": "1", "OUTER_WIRE_S": "1"}
+    flags = [[SLOW_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=10,
+                                      sync_warmup_ratio=0, checkpoint_every=0)] for node in range(2)]
+    out = assert_ok(collect([spawn_node(2, n, port, flags[n], env=env) for n in range(2)], 240))
+    waits = {int(step): int(ms) for step, ms in
+             re.findall(r"timing step (\d+): rank 0@\S+ compute_ms=\d+ comm_wait_ms=(\d+)", out)}
+    assert sorted(waits) == [10, 12], out
+    assert 100 <= waits[10] < 250, out  # 1 s over the phase's 10 steps
+    assert 160 <= waits[12] < 350, out  # 2 s over 12 steps, not 1 s over 2
+    assert re.search(r"\] at the end: (FASTER|SLOWER) THAN ONE NODE: cluster", out), out
+
+
 def test_a_local_steps_checkpoint_is_not_resumed_synchronously(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
     def flags(node: int, every: str) -> list[str]:
         return train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=every,
@@ -884,11 +940,36 @@ def test_outer_overlap_auto_overlaps_only_where_a_blocking_sync_cannot_be_held_t
     assert overlap and "and 8.00 s still crossing at the next boundary is 80% at H = 2" in why
 
 
+def test_a_resumed_run_keeps_what_outer_overlap_auto_chose_and_chooses_anew_where_it_was_told():
+    nodes = Nodes(0, [[0], [1]], None, None, 0, background=object())  # a CPU run with on or auto
+    on, auto = (parse_config(["--sync-every", "auto", "--outer-overlap", mode]) for mode in ("on", "auto"))
+    assert overlap_asked(on, nodes) is True and overlap_asked(on, nodes, {"overlap": False}) is True
+    assert overlap_asked(auto, nodes) is None  # decided at the first outer sync
+    assert overlap_asked(auto, nodes, {"overlap": True}) is True  # auto chose before the checkpoint
+    assert overlap_asked(auto, nodes, {"overlap": False}) is False
+    # a checkpoint of a run told on or off (or from before auto existed): auto times the next sync
+    assert overlap_asked(auto, nodes, {"overlap": None, "land_after": 3}) is None
+    assert overlap_asked(auto, nodes, {"first": 2, "every": 8}) is None
+    nodes.background = None  # off, or CUDA: no group for the syncs to cross on
+    assert overlap_asked(auto, nodes, {"overlap": True}) is False
+
+
 def test_an_overlapped_syncs_own_work_counts_the_cpu_its_thread_takes_from_the_inner_steps():
     sync = OuterStats(sync_s=3.0, wait_s=2.8, pseudo_grad_norm=0.0, sent_bytes=0, slowest_step_s=1.0, cpu_s=0.3)
     assert overlap_work_s(sync, compute_rate=0.5) == pytest.approx(0.6)  # a 0.5-CPU node: 0.3 s of CPU
     assert overlap_work_s(sync, compute_rate=2.0) == pytest.approx(0.2)  # two cores: the loop's part
     assert overlap_work_s(sync, compute_rate=0.0) == pytest.approx(0.2)
+
+
+def test_a_stop_counts_the_overlapped_sync_in_flight_and_its_own_blocking_one():
+    """StopBudget's estimate: a blocking boundary step's time holds its sync; overlapped, a stop
+    waits for the sync in flight, then blocks on its own."""
+    diloco = DiLoCo(torch.nn.Linear(4, 4), Nodes(0, [[0], [1]], None, None, 0), 0.5, 1.0, 0.0, torch.float32,
+                    torch.float32, shared_params=False)
+    diloco.crossing_s = 110.0  # 10 Mbit/s at depth 8
+    assert diloco.stop_s() == 0.0  # its sync blocked: the boundary step's time holds it
+    diloco.flight = threading.Thread(target=lambda: None)  # it left in the background
+    assert diloco.stop_s() == 220.0
 
 
 def test_an_overlapped_sync_lands_after_the_steps_it_needs_and_at_the_latest_at_the_next_boundary():

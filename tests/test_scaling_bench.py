@@ -105,6 +105,14 @@ def test_auto_window_starts_after_the_pick():
     assert measured_window(auto_output(10, 60, first=4), "auto", 0, 60) == (4, 54, 10)
 
 
+def test_an_overlapped_run_is_not_measured_to_its_last_step_whose_sync_blocks():
+    """With --outer-overlap the run's last sync blocks, once a run: a window that ended there would
+    charge it to a period (auto's H = 32 of 130 steps ended one there and measured 0.68)."""
+    out = auto_output(10, 52).replace("H=10\n", "H=10 overlapped: it crosses in the background\n")
+    assert measured_window(out, "auto", 2, 52) == (2, 42, 10)
+    assert measured_window(auto_output(10, 52), "auto", 2, 52) == (2, 52, 10)  # blocking: a period like any
+
+
 def test_auto_periods_are_counted_once_their_last_step_is_logged():
     """--auto-periods cuts a run on this count: a period ends with its boundary's step line, which
     the trainer logs after the outer line."""
