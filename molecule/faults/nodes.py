@@ -108,15 +108,18 @@ def start_everywhere(c: Cluster, cmd: str) -> None:
         t.join()
 
 
-def wait_for(what: str, probe: Callable[[], T], timeout: float, every: float = 2.0) -> T:
-    """probe()'s first truthy answer; an AssertionError naming `what` after `timeout` seconds."""
+def wait_for(what: str, probe: Callable[[], T], timeout: float, every: float = 2.0,
+             state: Callable[[], str] | None = None) -> T:
+    """probe()'s first truthy answer; an AssertionError naming `what` after `timeout` seconds, with
+    what `state()` then says (the units and journals behind a wait that never ended)."""
     deadline = time.time() + timeout
     while time.time() < deadline:
         got = probe()
         if got:
             return got
         time.sleep(every)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+    seen = f"\n{state()}" if state is not None else ""
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}{seen}")
 
 
 # ---- reading journals and playbook output -----------------------------------------------------

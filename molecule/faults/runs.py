@@ -56,6 +56,14 @@ def clean_run(c: Cluster, run: Run) -> None:
                 f"/etc/nanochat/{run.name}.env", check=False)
 
 
+def run_state(c: Cluster, run: Run) -> str:
+    """Every node's unit state, checkpoint directories and last journal lines of this run: what a
+    failed wait shows, so that a case that failed once says why."""
+    cmd = (f"systemctl is-active {run.unit}; ls {run.dir}/checkpoints 2>&1 | tail -n 5; df -h {run.dir} | tail -n 1; "
+           f"journalctl -u {run.unit} -o cat --no-pager --since @{run.started:.6f} | tail -n 15")
+    return "\n".join(f"---- {n}:\n{c.sh(n, cmd, check=False)}" for n in c.nodes)
+
+
 def complete_steps(c: Cluster, node: str, run: Run) -> list[int]:
     out = c.sh(node, f"ls {run.dir}/checkpoints/*/COMPLETE 2>/dev/null || true")
     return sorted(int(m) for m in re.findall(r"step_(\d+)/COMPLETE", out))

@@ -26,6 +26,7 @@ from runs import (
     clean_run,
     complete_steps,
     resume_after,
+    run_state,
     wait_all_failed,
 )
 
@@ -62,7 +63,8 @@ def test_full_disk_stops_every_rank_with_exit_2(cluster: Cluster, small_disk: Di
     rc, out, took = cluster.playbook("train.yml", run.vars)
     assert rc == 0, f"train.yml failed:\n{show_train_failure(out)}"
     # once step 10's checkpoint is sealed, fill the node's disk
-    wait_for("step 10's checkpoint", lambda: 10 in complete_steps(cluster, node, run), timeout=300, every=0.2)
+    wait_for("step 10's checkpoint", lambda: 10 in complete_steps(cluster, node, run), timeout=300, every=0.2,
+             state=lambda: run_state(cluster, run))
     cluster.sh(node, f"dd if=/dev/zero of={run.dir}/filler bs=1M 2>/dev/null || true")
     t0 = time.time()
     log(f"{node}: {run.dir} filled")
