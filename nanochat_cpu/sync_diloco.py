@@ -448,16 +448,14 @@ class DiLoCo:
         # (squared norm of the delta's slice, mean inner step, seconds in the background): summed,
         # maxed and maxed over the nodes
         stats = torch.tensor([0.0, mean_step_s, 0.0], dtype=torch.float64, device=self.params[0].device)
-        before = None  # blocking: what the sync in flight agreed on, where one landed first
+        landed = self._land() if self.nodes.leader else None  # the sync in flight, if any, lands first
         if self.nodes.leader:
-            landed = self._land()
             if overlap:
                 self._launch(share, mean_step_s, step, land_at)
                 stats = torch.tensor([math.nan, mean_step_s, 0.0] if landed is None else
                                      [landed.norm_sq, landed.slowest_step_s, landed.took_s],
                                      dtype=torch.float64, device=stats.device)
             else:
-                before = landed
                 stats[0] = self._leader_step(share)
                 everyone = torch.empty(self.nodes.count * 3, dtype=torch.float64, device=stats.device)
                 self._wait(all_gather(everyone, stats, group=self.nodes.leaders, async_op=True))
@@ -473,7 +471,7 @@ class DiLoCo:
         sync(self.params[0].device)
         return OuterStats(time.perf_counter() - t0, self.wait_s, float(stats[0]) ** 0.5,
                           self.sent_bytes if self.nodes.leader else 0, float(stats[1]), float(stats[2]), overlap,
-                          time.process_time() - cpu0, before)
+                          time.process_time() - cpu0, None if overlap else landed)
 
     def _leader_step(self, share: float) -> float:
         """The outer update of this leader's slice, theta_global back on every leader and in this
