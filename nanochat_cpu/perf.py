@@ -35,6 +35,16 @@ def cpu_flags() -> set[str]:
     return set(_cpuinfo().get("flags", "").split())
 
 
+def kernels_capped_below_cpu() -> str | None:
+    """The vector ISA torch's kernels were capped at, where that is below the CPU's own, else None.
+
+    `ATEN_CPU_CAPABILITY=avx2` (with `ONEDNN_MAX_CPU_ISA=AVX2` for oneDNN's) runs an AVX-512
+    CPU's kernels as an AVX2-only CPU runs them: the way to rehearse the user's i9/i5 class on
+    another machine. Figures from such a run must say so, and nothing may count on bf16 there."""
+    kernels = torch.backends.cpu.get_cpu_capability()
+    return kernels if "avx512f" in cpu_flags() and not kernels.startswith("AVX512") else None
+
+
 def cpu_model() -> str:
     """The CPU's model name and the vector extensions that decide its speed, e.g. `AMD EPYC
     (avx2; no avx512, no amx)`: benchmark figures name the machine they come from."""
@@ -42,12 +52,14 @@ def cpu_model() -> str:
     flags = cpu_flags()
     have = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
     lack = [f for f, prefix in (("avx512", "avx512f"), ("amx", "amx_")) if not any(x.startswith(prefix) for x in flags)]
-    return f"{name} ({', '.join(have) or 'no avx2'}{'; no ' + ', no '.join(lack) if lack else ''})"
+    capped = kernels_capped_below_cpu()
+    return (f"{name} ({', '.join(have) or 'no avx2'}{'; no ' + ', no '.join(lack) if lack else ''})"
+            + (f", torch's kernels capped at {capped} (ATEN_CPU_CAPABILITY)" if capped else ""))
 
 
 def cpu_has_native_bf16() -> bool:
     flags = cpu_flags()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return ("avx512_bf16" in flags or "amx_bf16" in flags) and kernels_capped_below_cpu() is None
 
 
 # glibc mallopt parameters (malloc.h)

@@ -59,6 +59,25 @@ def test_doctor_cli_reports_every_problem_and_exits_nonzero(tiny_data_dir, tiny_
     assert len(report["facts"]["manifest_sha256"]) == 64 and report["facts"]["vocab_size"] == 512
 
 
+def test_kernels_capped_at_avx2_decide_and_report_as_an_avx2_cpu():
+    """ATEN_CPU_CAPABILITY=avx2 rehearses the user's AVX2-only class on an AVX-512 CPU: no bf16 by
+    auto, and every figure's CPU line says the kernels were capped."""
+    probe = ("from nanochat_cpu.perf import cpu_flags, cpu_has_native_bf16, cpu_model; import json; "
+             "print(json.dumps([cpu_model(), cpu_has_native_bf16(), 'avx512f' in cpu_flags()]))")
+    runs = {}
+    for cap in ("", "avx2"):
+        env = {**node_env(), "ATEN_CPU_CAPABILITY": cap} if cap else node_env()
+        out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=60,
+                             cwd=REPO, check=True).stdout
+        runs[cap] = json.loads(out)
+    (model, native, avx512), (capped_model, capped_native, _) = runs[""], runs["avx2"]
+    assert capped_native is False and "capped" not in model
+    if avx512:
+        assert capped_model == f"{model}, torch's kernels capped at AVX2 (ATEN_CPU_CAPABILITY)"
+    else:  # an AVX2 CPU runs AVX2 kernels already: nothing to say, nothing changes
+        assert capped_model == model and native is False
+
+
 def netcheck_node(rank: int, nnodes: int, port: int, *extra: str) -> subprocess.Popen:
     """One node's netcheck, with the env the training unit's env file gives it."""
     env = node_env()
