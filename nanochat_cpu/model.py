@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from .grad_target import linear
 from .loss import softcapped_cross_entropy
 from .relu_squared import relu_squared
+from .rms_norm import rms_norm
+from .rotary import apply_rotary, rotary_tables
 
 LOGIT_SOFTCAP = 15.0
 VE_GATE_CHANNELS = 32
@@ -74,22 +76,6 @@ def layer_windows(cfg: ModelConfig) -> list[int]:
     return windows
 
 
-def norm(x: torch.Tensor) -> torch.Tensor:
-    return F.rms_norm(x, (x.size(-1),))
-
-
-def rotary_tables(seq_len: int, head_dim: int, base: float = 10000.0) -> tuple[torch.Tensor, torch.Tensor]:
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32), inv_freq)
-    return freqs.cos()[None, :, None, :], freqs.sin()[None, :, None, :]
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1] // 2
-    x1, x2 = x[..., :d], x[..., d:]
-    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1)
-
-
 def window_mask(seq_len: int, window: int, device: torch.device, start: int = 0) -> torch.Tensor | None:
     """Boolean keep-mask for causal attention limited to `window` past tokens, for the queries at
     positions start .. start + seq_len - 1 over the keys at 0 .. start + seq_len - 1 (start > 0:
@@ -127,7 +113,7 @@ class Attention(nn.Module):
             # much of the token's value embedding each head mixes in
             gate = 2 * torch.sigmoid(linear(x[..., :VE_GATE_CHANNELS], self.ve_gate.weight))
             v = v + gate.unsqueeze(-1) * ve.view(B, T, self.n_head, self.head_dim)
-        q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))
+        q, k = rms_norm(apply_rotary(q, cos, sin)), rms_norm(apply_rotary(k, cos, sin))
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         if kv is not None:  # generation: these positions' keys and values join the cached ones before them
             end = start + T
@@ -157,8 +143,8 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, ve, cos, sin, mask, kv=None, start=0):
-        x = x + self.attn(norm(x), ve, cos, sin, mask, kv, start)
-        return x + self.mlp(norm(x))
+        x = x + self.attn(rms_norm(x), ve, cos, sin, mask, kv, start)
+        return x + self.mlp(rms_norm(x))
 
 
 class KVCache:
@@ -246,7 +232,7 @@ class GPT(nn.Module):
         dtype = self.wte.weight.dtype
         cos, sin = self.cos[:, start:start + T].to(dtype), self.sin[:, start:start + T].to(dtype)
         masks = {w: window_mask(T, w, idx.device, start) for w in set(self.windows)}
-        x = x0 = norm(self.embed(self.wte, idx))
+        x = x0 = rms_norm(self.embed(self.wte, idx))
         for i, block in enumerate(self.blocks):
             x = self.resid_lambdas[i] * x + self.x0_lambdas[i] * x0
             ve = self.embed(self.value_embeds[str(i)], idx) if str(i) in self.value_embeds else None
@@ -254,7 +240,7 @@ class GPT(nn.Module):
             x = block(x, ve, cos, sin, masks[self.windows[i]], kv, start)
         if cache is not None:
             cache.pos += T
-        return norm(x)
+        return rms_norm(x)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         head = self.lm_head.weight[: self.cfg.vocab_size]  # padded rows never score
