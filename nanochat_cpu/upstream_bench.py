@@ -4,6 +4,7 @@
     python -m nanochat_cpu.upstream_bench --upstream ~/nanochat                 # the three shapes
     python -m nanochat_cpu.upstream_bench --upstream ~/nanochat --shape d6-16k
     python -m nanochat_cpu.bench --shapes                                        # ours, same shapes
+    python -m nanochat_cpu.upstream_bench --upstream ~/nanochat --pairs 8        # both, interleaved
 
 The upstream checkout (git clone https://github.com/karpathy/nanochat; docs/BENCHMARKS.md names
 the commit measured) runs in its own venv (`--python`, default `<upstream>/.venv/bin/python`),
@@ -20,6 +21,13 @@ before) over the sum of their times as base_train prints them: tokens / mean ste
 reports ours. peak_rss_mib is the process's peak resident set (ru_maxrss: KiB / 1024, read as
 /usr/bin/time reads it, see MEASURE_RSS).
 Each result names the CPU it ran on, as bench's do.
+
+`--pairs N` runs ours beside upstream: N rounds, each round every shape, each shape upstream's
+base_train and our bench (eager fp32, as the trainer runs on a CPU, timed over as many steps as
+upstream's run times) back to back, which one goes first swapped from round to round. A shared
+or virtual host's speed drifts by 10% and more within the hour, often between two runs, so one
+pair can land either side of a target; the ratio to quote is the median over the rounds, with
+its range, and the memory comparison is ours at its highest against upstream at its lowest.
 """
 
 from __future__ import annotations
@@ -124,10 +132,13 @@ def prepare(args: argparse.Namespace) -> None:
                    env=upstream_env(args.base_dir, args.threads), check=True)
 
 
+def iterations_for(tokens: int) -> int:
+    return SHORT_STEP_ITERATIONS if tokens <= SHORT_STEP_TOKENS else LONG_STEP_ITERATIONS
+
+
 def run_shape(args: argparse.Namespace, name: str) -> dict:
     depth, head_dim, pattern, tokens = SHAPES[name]
-    iterations = args.num_iterations or (SHORT_STEP_ITERATIONS if tokens <= SHORT_STEP_TOKENS
-                                         else LONG_STEP_ITERATIONS)
+    iterations = args.num_iterations or iterations_for(tokens)
     cmd = base_train_command(args.python, depth, head_dim, pattern, tokens, iterations)
     with tempfile.TemporaryDirectory() as tmp:
         rss_file = Path(tmp) / "maxrss_kib"
@@ -155,6 +166,74 @@ def run_shape(args: argparse.Namespace, name: str) -> dict:
             "command": " ".join(cmd[1:])}
 
 
+def ours_command(name: str, steps: int, threads: int) -> list[str]:
+    """Our bench at one of the shapes, eager fp32 (the trainer's choice on a CPU), `steps` timed."""
+    depth, head_dim, pattern, tokens = SHAPES[name]
+    return [sys.executable, "-m", "nanochat_cpu.bench", "--depth", str(depth), "--head-dim", str(head_dim),
+            "--window-pattern", pattern, "--total-batch-size", str(tokens), "--compile", "off",
+            "--dtype", "float32", "--steps", str(steps), "--warmup", "1", "--cores", str(threads)]
+
+
+def run_ours(args: argparse.Namespace, name: str, steps: int) -> dict:
+    cmd = ours_command(name, steps, args.threads)
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(done.stderr[-4000:], file=sys.stderr, flush=True)
+        return {"tok_per_s": None, "peak_rss_mib_per_rank": None, "rc": done.returncode}
+    return {**json.loads(done.stdout.strip().splitlines()[-1]), "rc": 0}
+
+
+def run_pair(args: argparse.Namespace, name: str, upstream_first: bool) -> dict:
+    """Upstream and ours at one shape, back to back."""
+    iterations = args.num_iterations or iterations_for(SHAPES[name][3])
+    order = ("upstream", "ours") if upstream_first else ("ours", "upstream")
+    runs = {side: run_shape(args, name) if side == "upstream" else run_ours(args, name, iterations - FIRST_TIMED_STEP)
+            for side in order}
+    up, ours = runs["upstream"], runs["ours"]
+    ratio = round(ours["tok_per_s"] / up["tok_s"], 3) if ours["tok_per_s"] and up["tok_s"] else None
+    return {"shape": name, "first": order[0], "upstream_tok_s": up["tok_s"], "ours_tok_s": ours["tok_per_s"],
+            "ratio": ratio, "upstream_peak_rss_mib": up["peak_rss_mib"],
+            "ours_peak_rss_mib": ours["peak_rss_mib_per_rank"], "rc": up["rc"] or ours["rc"]}
+
+
+def summarize_pairs(pairs: list[dict]) -> dict:
+    """One shape's pairs: the median ratio and its range over the pairs that both finished, and
+    ours' highest peak RSS against upstream's lowest."""
+    done = [p for p in pairs if p["ratio"] is not None]
+    if not done:
+        return {"shape": pairs[0]["shape"], "pairs": 0, "failed": len(pairs)}
+    ratios = [p["ratio"] for p in done]
+    return {"shape": done[0]["shape"], "pairs": len(done), "failed": len(pairs) - len(done),
+            "ratio_median": round(statistics.median(ratios), 3), "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "upstream_tok_s_median": round(statistics.median(p["upstream_tok_s"] for p in done), 1),
+            "ours_tok_s_median": round(statistics.median(p["ours_tok_s"] for p in done), 1),
+            "upstream_peak_rss_mib_min": min(p["upstream_peak_rss_mib"] for p in done),
+            "ours_peak_rss_mib_max": max(p["ours_peak_rss_mib"] for p in done)}
+
+
+def run_pairs(args: argparse.Namespace, names: list[str]) -> int:
+    """`--pairs` rounds; each round visits every shape, so a shape's pairs spread over the whole run."""
+    pairs: dict[str, list[dict]] = {name: [] for name in names}
+    for r in range(args.pairs):
+        for name in names:
+            pair = run_pair(args, name, upstream_first=r % 2 == 0)
+            pairs[name].append(pair)
+            print("PAIR " + json.dumps({"round": r + 1, **pair}), flush=True)
+    summaries = [summarize_pairs(p) for p in pairs.values()]
+    print(f"CPU: {cpu_model()}; upstream {git_head(args.upstream)}, torch {torch_version(args.python)}")
+    print("| shape | pairs | ours ÷ upstream, median (range) | tok/s upstream / ours, medians "
+          "| peak RSS MiB, upstream's lowest / ours' highest |")
+    print("|---|---|---|---|---|")
+    for s in summaries:
+        if s["pairs"]:
+            spread = f"{s['ratio_median']:.2f}× ({s['ratio_min']:.2f}-{s['ratio_max']:.2f})"
+            print(f"| {s['shape']} | {s['pairs']} | {spread} | {s['upstream_tok_s_median']} / {s['ours_tok_s_median']} "
+                  f"| {s['upstream_peak_rss_mib_min']} / {s['ours_peak_rss_mib_max']} |")
+    for s in summaries:
+        print("PAIRS " + json.dumps(s), flush=True)
+    return 1 if any(s["failed"] or not s["pairs"] for s in summaries) else 0
+
+
 def git_head(repo: Path) -> str:
     done = subprocess.run(["git", "-C", str(repo), "rev-parse", "HEAD"], capture_output=True, text=True)
     return done.stdout.strip() if done.returncode == 0 else "unknown (not a git checkout)"
@@ -175,6 +254,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", choices=list(SHAPES), action="append", help="default: all three")
     p.add_argument("--num-iterations", type=int, help="default: 20 at 1,024 tokens a step, 8 at 16,384")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument("--pairs", type=int, default=0, metavar="N",
+                   help="N rounds of upstream and ours back to back at each shape; the median ratio")
     args = p.parse_args(argv)
     if not (args.upstream / "scripts" / "base_train.py").is_file():
         p.error(f"--upstream {args.upstream}: no scripts/base_train.py there (git clone upstream nanochat)")
@@ -183,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.prepare:
         prepare(args)
         return 0
+    if args.pairs:
+        return run_pairs(args, args.shape or list(SHAPES))
     rc = 0
     for name in args.shape or list(SHAPES):
         result = run_shape(args, name)

@@ -103,3 +103,63 @@ def test_a_directory_without_base_train_is_refused_by_name(tmp_path, capsys):
     with pytest.raises(SystemExit):
         upstream_bench.main(["--upstream", str(tmp_path)])
     assert f"--upstream {tmp_path}: no scripts/base_train.py there" in capsys.readouterr().err
+
+
+def test_pairs_give_the_median_ratio_and_memory_at_its_least_favourable():
+    pairs = [{"shape": "d6-16k", "upstream_tok_s": u, "ours_tok_s": o, "ratio": r, "upstream_peak_rss_mib": ur,
+              "ours_peak_rss_mib": orr}
+             for u, o, r, ur, orr in [(700.0, 910.0, 1.3, 8400, 6700), (640.0, 920.0, 1.438, 8390, 7650),
+                                      (780.0, 930.0, 1.192, 8470, 6810), (None, 900.0, None, 0, 6800)]]
+    summary = upstream_bench.summarize_pairs(pairs)
+    assert summary == {"shape": "d6-16k", "pairs": 3, "failed": 1, "ratio_median": 1.3, "ratio_min": 1.192,
+                       "ratio_max": 1.438, "upstream_tok_s_median": 700.0, "ours_tok_s_median": 920.0,
+                       "upstream_peak_rss_mib_min": 8390, "ours_peak_rss_mib_max": 7650}
+    assert upstream_bench.summarize_pairs(pairs[3:]) == {"shape": "d6-16k", "pairs": 0, "failed": 1}
+
+
+def test_pairs_run_both_back_to_back_in_alternating_order(stand_in_upstream, tmp_path, capsys, monkeypatch):
+    # ours: a stand-in for bench that prints its result line as bench does, after a line of its own
+    # at a shape's tokens a second: 1.5x the stand-in upstream's (2 steps of them in 3 s)
+    stand_in_bench = ("import json, sys; print('a worker line'); "
+                      "tokens = sys.argv[sys.argv.index('--total-batch-size') + 1]; "
+                      "print(json.dumps({'tok_per_s': float(tokens), 'peak_rss_mib_per_rank': 500.0}))")
+    commands, real_command = [], upstream_bench.ours_command
+
+    def ours_command(name, steps, threads):
+        commands.append(real_command(name, steps, threads))
+        return [sys.executable, "-c", stand_in_bench, *commands[-1][3:]]
+
+    monkeypatch.setattr(upstream_bench, "ours_command", ours_command)
+    calls = []
+    for side, name in (("upstream", "run_shape"), ("ours", "run_ours")):
+        real = getattr(upstream_bench, name)
+        monkeypatch.setattr(upstream_bench, name, lambda *a, side=side, real=real: calls.append(side) or real(*a))
+    rc = upstream_bench.main(["--upstream", str(stand_in_upstream), "--python", sys.executable, "--base-dir",
+                              str(tmp_path / "base"), "--shape", "d4-1k", "--shape", "d6-16k", "--pairs", "2",
+                              "--threads", "2"])
+    assert rc == 0
+    assert calls == ["upstream", "ours"] * 2 + ["ours", "upstream"] * 2  # round 2 swaps who goes first
+    # ours times as many steps as upstream's run does: 20 iterations at 1,024 tokens, 8 at 16,384, from step 3 on
+    for cmd, depth, tokens, steps in zip(commands[:2], ("4", "6"), ("1024", "16384"), ("17", "5"),
+                                         strict=True):
+        assert cmd[cmd.index("--depth") + 1] == depth and cmd[cmd.index("--total-batch-size") + 1] == tokens
+        assert cmd[cmd.index("--steps") + 1] == steps and cmd[cmd.index("--compile") + 1] == "off"
+        assert cmd[cmd.index("--cores") + 1] == "2"
+    out = capsys.readouterr().out
+    pairs = [json.loads(line[5:]) for line in out.splitlines() if line.startswith("PAIR ")]
+    assert [(p["round"], p["shape"], p["first"]) for p in pairs] == [
+        (1, "d4-1k", "upstream"), (1, "d6-16k", "upstream"), (2, "d4-1k", "ours"), (2, "d6-16k", "ours")]
+    assert pairs[0]["ratio"] == 1.5 and pairs[0]["upstream_tok_s"] == 682.7 and pairs[0]["ours_tok_s"] == 1024
+    summaries = {s["shape"]: s for s in (json.loads(line[6:]) for line in out.splitlines()
+                                         if line.startswith("PAIRS "))}
+    assert summaries["d4-1k"]["pairs"] == 2 and summaries["d4-1k"]["ratio_median"] == 1.5
+    assert "| d6-16k | 2 | 1.50× (1.50-1.50) |" in out
+
+
+def test_a_failed_run_of_ours_fails_the_pairs(stand_in_upstream, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(upstream_bench, "ours_command", lambda *a: [sys.executable, "-c", "raise SystemExit(3)"])
+    rc = upstream_bench.main(["--upstream", str(stand_in_upstream), "--python", sys.executable, "--base-dir",
+                              str(tmp_path / "base"), "--shape", "d4-1k", "--pairs", "1"])
+    assert rc == 1
+    pair = json.loads(capsys.readouterr().out.split("PAIR ", 1)[1].splitlines()[0])
+    assert pair["ratio"] is None and pair["rc"] == 3
