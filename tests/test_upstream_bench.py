@@ -150,6 +150,11 @@ def test_pairs_run_both_back_to_back_in_alternating_order(stand_in_upstream, tmp
     assert [(p["round"], p["shape"], p["first"]) for p in pairs] == [
         (1, "d4-1k", "upstream"), (1, "d6-16k", "upstream"), (2, "d4-1k", "ours"), (2, "d6-16k", "ours")]
     assert pairs[0]["ratio"] == 1.5 and pairs[0]["upstream_tok_s"] == 682.7 and pairs[0]["ours_tok_s"] == 1024
+    # and each side's whole result, for a pair that stands out
+    ours = [json.loads(line[5:]) for line in out.splitlines() if line.startswith("OURS ")]
+    upstream = [json.loads(line[9:]) for line in out.splitlines() if line.startswith("UPSTREAM ")]
+    assert len(ours) == len(upstream) == 4 and ours[0]["peak_rss_mib_per_rank"] == 500.0
+    assert upstream[1]["shape"] == "d6-16k" and upstream[1]["steps_timed"] == 2
     summaries = {s["shape"]: s for s in (json.loads(line[6:]) for line in out.splitlines()
                                          if line.startswith("PAIRS "))}
     assert summaries["d4-1k"]["pairs"] == 2 and summaries["d4-1k"]["ratio_median"] == 1.5
