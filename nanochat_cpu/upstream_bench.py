@@ -4,7 +4,7 @@
     python -m nanochat_cpu.upstream_bench --upstream ~/nanochat                 # the three shapes
     python -m nanochat_cpu.upstream_bench --upstream ~/nanochat --shape d6-16k
     python -m nanochat_cpu.bench --shapes                                        # ours, same shapes
-    python -m nanochat_cpu.upstream_bench --upstream ~/nanochat --pairs 8        # both, interleaved
+    python -m nanochat_cpu.upstream_bench --upstream ~/nanochat --pairs 9        # both, interleaved
 
 The upstream checkout (git clone https://github.com/karpathy/nanochat; docs/BENCHMARKS.md names
 the commit measured) runs in its own venv (`--python`, default `<upstream>/.venv/bin/python`),
@@ -27,7 +27,8 @@ base_train and our bench (eager fp32, as the trainer runs on a CPU, timed over a
 upstream's run times) back to back, which one goes first swapped from round to round. A shared
 or virtual host's speed drifts by 10% and more within the hour, often between two runs, so one
 pair can land either side of a target; the ratio to quote is the median over the rounds, with
-its range, and the memory comparison is ours at its highest against upstream at its lowest.
+its range; memory is compared by the medians and by ours at its highest against upstream at
+its lowest.
 """
 
 from __future__ import annotations
@@ -201,8 +202,8 @@ def run_pair(args: argparse.Namespace, name: str, upstream_first: bool) -> dict:
 
 
 def summarize_pairs(pairs: list[dict]) -> dict:
-    """One shape's pairs: the median ratio and its range over the pairs that both finished, and
-    ours' highest peak RSS against upstream's lowest."""
+    """One shape's pairs that both finished: the median ratio and its range, and the peak RSS of
+    each side, the medians and ours' highest against upstream's lowest."""
     done = [p for p in pairs if p["ratio"] is not None]
     if not done:
         return {"shape": pairs[0]["shape"], "pairs": 0, "failed": len(pairs)}
@@ -211,6 +212,8 @@ def summarize_pairs(pairs: list[dict]) -> dict:
             "ratio_median": round(statistics.median(ratios), 3), "ratio_min": min(ratios), "ratio_max": max(ratios),
             "upstream_tok_s_median": round(statistics.median(p["upstream_tok_s"] for p in done), 1),
             "ours_tok_s_median": round(statistics.median(p["ours_tok_s"] for p in done), 1),
+            "upstream_peak_rss_mib_median": statistics.median(p["upstream_peak_rss_mib"] for p in done),
+            "ours_peak_rss_mib_median": statistics.median(p["ours_peak_rss_mib"] for p in done),
             "upstream_peak_rss_mib_min": min(p["upstream_peak_rss_mib"] for p in done),
             "ours_peak_rss_mib_max": max(p["ours_peak_rss_mib"] for p in done)}
 
@@ -226,12 +229,13 @@ def run_pairs(args: argparse.Namespace, names: list[str]) -> int:
     summaries = [summarize_pairs(p) for p in pairs.values()]
     print(f"CPU: {cpu_model()}; upstream {git_head(args.upstream)}, torch {torch_version(args.python)}")
     print("| shape | pairs | ours ÷ upstream, median (range) | tok/s upstream / ours, medians "
-          "| peak RSS MiB, upstream's lowest / ours' highest |")
-    print("|---|---|---|---|---|")
+          "| peak RSS MiB, medians upstream / ours | upstream's lowest / ours' highest |")
+    print("|---|---|---|---|---|---|")
     for s in summaries:
         if s["pairs"]:
             spread = f"{s['ratio_median']:.2f}× ({s['ratio_min']:.2f}-{s['ratio_max']:.2f})"
             print(f"| {s['shape']} | {s['pairs']} | {spread} | {s['upstream_tok_s_median']} / {s['ours_tok_s_median']} "
+                  f"| {s['upstream_peak_rss_mib_median']} / {s['ours_peak_rss_mib_median']} "
                   f"| {s['upstream_peak_rss_mib_min']} / {s['ours_peak_rss_mib_max']} |")
     for s in summaries:
         print("PAIRS " + json.dumps(s), flush=True)
