@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 
 from .data import row_group_pairs
-from .dataloader import carry_over_position
+from .dataloader import carry_over_position, packing_mismatch
 from .dist import EXIT_CONFIG, DistEnv, Watchdog, agree_to_fail, fail, log
 from .optim import merge_optimizer_states
 from .sync_diloco import merge_outer_states
@@ -670,6 +670,8 @@ def load_into(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, opt: Muo
     extra = rank_state.get("extra", {})
     refusal = tokenizer_refusal(cfg, where, extra, tokenizer_sha, vocab_size) or sync_refusal(where, extra,
                                                                                              local_steps)
+    packing = packing_mismatch(loader_state, cfg.packing) if loader_state is not None else None
+    refusal = refusal or (f"checkpoint {where}: {packing}" if packing else None)
     if refusal:
         return refusal, None, {}, ""
     try:

@@ -69,6 +69,14 @@ class TrainConfig:
                           "more); 'auto' measures each rank at start; empty = --device-batch-size everywhere"},
     )
     total_batch_size: int = field(default=1024, metadata={"help": "tokens per optimizer step over all ranks"})
+    packing: str = field(
+        default="bestfit",
+        metadata={"choices": ("bestfit", "stream"),
+                  "help": "how documents fill the rows (train and val alike): bestfit = every row starts at a "
+                          "document, the longest that fit whole first, the last one cropped to the row's end "
+                          "(nanochat's loader: one giant document costs a row); stream = back to back, nothing "
+                          "cropped (a document many rows long is read whole)"},
+    )
     # schedule
     num_iterations: int = field(default=200, metadata={"help": "optimizer steps"})
     warmup_ratio: float = field(default=0.0, metadata={"help": "fraction of steps of linear LR warmup"})

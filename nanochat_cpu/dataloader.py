@@ -1,13 +1,24 @@
 """The token loader: the shards of a data dir as (inputs, targets) batches for one rank.
 
-Documents are tokenized as they are read, BOS-prefixed and packed back to back into rows, so no
-token is padding. The loader's position is part of every checkpoint: a resumed run reads on
-from exactly the next token, and carry_over_position() moves the positions of a whole world of
-ranks onto another world size without reading a row group twice or skipping one in an epoch.
+Documents are tokenized as they are read and BOS-prefixed. Two packings, neither with padding:
+
+- bestfit (the default, as nanochat's BOS-aligned best-fit loader): every row starts at a
+  document's BOS. The loader holds a buffer of documents; each row takes the largest one that
+  still fits whole, again and again, and when none fits it crops the shortest to the row's end
+  (the rest of that document is not read). One giant document costs at most one row an epoch.
+- stream: documents back to back, a row reading on from exactly the next token. Nothing is
+  cropped, so a document many rows long is read whole, row after row (a corpus of a few long
+  documents may want that; one outlier in a corpus of prose wrecks the model with it).
+
+The loader's position is part of every checkpoint: a resumed run reads on from exactly where it
+stood (best-fit's buffer included, as references to documents), and carry_over_position() moves
+the positions of a whole world of ranks onto another world size without reading a row group
+twice or skipping one in an epoch (the buffered documents dealt out to the new ranks).
 """
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -18,9 +29,16 @@ from .data import read_texts, row_group_pairs
 if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
+PACKINGS = ("bestfit", "stream")
+# Documents best-fit chooses among, as nanochat's loader: enough that a row is nearly always
+# filled by whole documents, few enough that a resume re-reads only a row group or two.
+BUFFER_DOCS = 1000
+
 # One row group of a carried-over epoch: [epoch, global pair index, doc_index, token_offset],
 # the last two where reading starts in it (not 0, 0 for a row group an old rank had begun).
 CarriedItem = list[int]
+# One document in best-fit's buffer: [epoch, global pair index, doc_index].
+DocRef = list[int]
 
 
 def carry_over_position(saved: list[dict[str, Any]], rank: int, world_size: int, num_pairs: int) -> dict[str, Any]:
@@ -62,15 +80,22 @@ def carry_over_position(saved: list[dict[str, Any]], rank: int, world_size: int,
     mine = todo[rank::world_size]
     # an empty list is a rank at the end of the horizon epoch: its next read starts the normal deal
     epoch, _, doc_index, token_offset = mine[0] if mine else [horizon, 0, 0, 0]
-    return {"split": saved[0]["split"], "rank": rank, "world_size": world_size, "epoch": epoch, "pair_index": 0,
-            "doc_index": doc_index, "token_offset": token_offset, "carried": mine, "resume_epoch": horizon + 1}
+    state = {"split": saved[0]["split"], "rank": rank, "world_size": world_size, "epoch": epoch, "pair_index": 0,
+             "doc_index": doc_index, "token_offset": token_offset, "carried": mine, "resume_epoch": horizon + 1}
+    packing = saved[0].get("packing", "stream")
+    if packing == "bestfit":
+        # documents read into the old ranks' buffers and not yet placed in a row are owed too
+        buffered = sorted([int(v) for v in ref] for s in saved for ref in s.get("buffer", []))
+        state |= {"packing": packing, "buffer": buffered[rank::world_size]}
+    return state
 
 
 def _check_world(saved: list[dict[str, Any]]) -> None:
-    layouts = [(state.get("split"), state.get("rank"), state.get("world_size")) for state in saved]
-    if not saved or layouts != [(saved[0].get("split"), k, len(saved)) for k in range(len(saved))]:
+    layouts = [(state.get("split"), state.get("rank"), state.get("world_size"), state.get("packing", "stream"))
+               for state in saved]
+    if not saved or layouts != [layouts[0][:1] + (k, len(saved)) + layouts[0][3:] for k in range(len(saved))]:
         raise ValueError(f"loader states to carry over must be those of ranks 0..W-1 of one world of W ranks, "
-                         f"one split, in rank order; got (split, rank, world_size) {layouts}")
+                         f"one split and packing, in rank order; got (split, rank, world_size, packing) {layouts}")
 
 
 def _last_uneven_epoch(state: dict[str, Any]) -> int:
@@ -96,17 +121,33 @@ def _remaining(state: dict[str, Any], share: list[int], horizon: int, num_pairs:
     return rest + [[epoch, g, 0, 0] for epoch in range(first_whole_epoch, horizon + 1) for g in share]
 
 
+def packing_mismatch(state: dict[str, Any], packing: str) -> str | None:
+    """Why a loader that packs with `packing` cannot go on from `state`, or None. A stream position at a
+    document's start (every state written before best-fit packing existed is the stream's) goes on
+    best-fit with an empty buffer; best-fit's buffer, or a document begun, cannot be taken over."""
+    packed = state.get("packing", "stream")
+    begun = [int(state.get("token_offset", 0))] + [int(item[3]) for item in state.get("carried", [])]
+    if packed == packing or (packed == "stream" and not any(begun)):
+        return None
+    return (f"the loader's position was saved with --packing {packed}, this run packs with --packing {packing}: "
+            f"resume with --packing {packed}, or start a new run")
+
+
 class TokenLoader:
     """Packs BOS-prefixed documents into rows of seq_len+1 tokens; yields (inputs, targets).
 
     Row groups are shared out over one flat list of (shard, row group) pairs, rank r taking
     the pairs whose index % world_size == r, so any world size works. The position is the
-    next unread token: (epoch, pair, document, token offset). A loader built from
-    state_dict() yields exactly the batches the original would have yielded next.
-    Train repeats forever (epoch counts the passes); val stops after its last full batch.
+    next unread token: (epoch, pair, document, token offset); with best-fit packing the
+    offset is always 0 and the documents read but not yet placed in a row are the buffer. A
+    loader built from state_dict() yields exactly the batches the original would have yielded
+    next. Train repeats forever (epoch counts the passes); val stops after its last full batch.
 
     A state from carry_over_position() first reads its explicit list of row groups (self.carried,
     pair_index indexing it), then the normal share from its resume_epoch on.
+
+    `placements` says what the last batch holds: per row, (DocRef, tokens taken, document length)
+    for each document in it; a crop is an entry whose tokens taken are fewer than its length.
     """
 
     def __init__(
@@ -120,12 +161,16 @@ class TokenLoader:
         world_size: int = 1,
         state: dict[str, Any] | None = None,
         *,
+        packing: str = "bestfit",
+        buffer_docs: int = BUFFER_DOCS,
         num_threads: int | None = None,
     ) -> None:
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if packing not in PACKINGS or buffer_docs < 1:
+            raise ValueError(f"packing must be one of {PACKINGS} with buffer_docs >= 1, got {packing!r}, {buffer_docs}")
         self.data_dir = Path(data_dir)
         self.tokenizer = tokenizer
         self.split = split
@@ -133,6 +178,8 @@ class TokenLoader:
         self.seq_len = seq_len
         self.rank = rank
         self.world_size = world_size
+        self.packing = packing
+        self.buffer_docs = buffer_docs
         self.num_threads = num_threads
         self.all_pairs = row_group_pairs(self.data_dir, split)
         self.pairs = self.all_pairs[rank::world_size]
@@ -144,11 +191,17 @@ class TokenLoader:
         self.epoch = self.pair_index = self.doc_index = self.token_offset = 0
         self.carried: list[CarriedItem] | None = None  # row groups of a carried-over epoch, then the share
         self.resume_epoch = 0
-        if state is not None:
-            self._load_state(state)
         self._docs: list[list[int]] = []
         self._docs_pair: tuple[str, int] | None = None  # the row group self._docs was tokenized from
         self._done = False
+        # best-fit's buffer: (reference, first tokens, length) by arrival, and (length, arrival) kept
+        # sorted for the choice
+        self._buffer: dict[int, tuple[DocRef, list[int], int]] = {}
+        self._by_length: list[tuple[int, int]] = []
+        self._arrivals = 0
+        self.placements: list[list[tuple[DocRef, int, int]]] = []
+        if state is not None:
+            self._load_state(state)
 
     def state_dict(self) -> dict[str, Any]:
         state: dict[str, Any] = {
@@ -163,6 +216,9 @@ class TokenLoader:
         if self.carried is not None:
             state["carried"] = [list(item) for item in self.carried]
             state["resume_epoch"] = self.resume_epoch
+        if self.packing == "bestfit":  # a state without "packing" is the stream's, as before best-fit
+            state["packing"] = self.packing
+            state["buffer"] = [list(self._buffer[arrival][0]) for arrival in sorted(self._buffer)]
         return state
 
     def _load_state(self, state: dict[str, Any]) -> None:
@@ -171,6 +227,9 @@ class TokenLoader:
         if theirs != mine:
             raise ValueError(f"loader state is for {theirs}, this loader is {mine}: positions do not carry over "
                              "as they are; carry_over_position() turns every old rank's state into this rank's")
+        mismatch = packing_mismatch(state, self.packing)
+        if mismatch:
+            raise ValueError(mismatch)
         self.epoch = int(state["epoch"])
         self.pair_index = int(state["pair_index"])
         self.doc_index = int(state["doc_index"])
@@ -181,6 +240,27 @@ class TokenLoader:
             if any(not 0 <= item[1] < len(self.all_pairs) for item in self.carried):
                 raise ValueError(f"carried-over loader state names row groups beyond the {len(self.all_pairs)} "
                                  f"of the {self.split} split of {self.data_dir}: was the data re-prepared?")
+        self._restore_buffer([[int(v) for v in ref] for ref in state.get("buffer", [])])
+
+    def _restore_buffer(self, refs: list[DocRef]) -> None:
+        """The buffered documents, tokenized again from their row groups, in their saved order."""
+        if any(not 0 <= ref[1] < len(self.all_pairs) for ref in refs):
+            raise ValueError(f"the loader's buffer names row groups beyond the {len(self.all_pairs)} of the "
+                             f"{self.split} split of {self.data_dir}: was the data re-prepared?")
+        tokens: dict[tuple[int, int], list[int]] = {}
+        for pair in sorted({ref[1] for ref in refs}):
+            wanted = sorted({ref[2] for ref in refs if ref[1] == pair})
+            texts = read_texts(self.data_dir, self.all_pairs[pair])
+            if wanted[-1] >= len(texts):
+                raise ValueError(f"the loader's buffer names document {wanted[-1]} of {self.all_pairs[pair]}, which "
+                                 f"holds {len(texts)}: was the data re-prepared?")
+            encoded = self.tokenizer.encode_batch([texts[d] for d in wanted], self.num_threads)
+            tokens |= {(pair, d): [self.tokenizer.bos_id, *ids] for d, ids in zip(wanted, encoded, strict=True)}
+        for ref in refs:
+            doc = tokens[ref[1], ref[2]]
+            self._buffer_add(ref, doc, len(doc))
+
+    # ---- the stream of documents ------------------------------------------------------------------
 
     def _current_pair(self) -> tuple[str, int] | None:
         """The row group at the position, moving on into the next epoch past the end of a list;
@@ -198,6 +278,12 @@ class TokenLoader:
             self.epoch += 1
             self.pair_index = self.doc_index = self.token_offset = 0
         return self.pairs[self.pair_index]
+
+    def _global_pair(self) -> int:
+        """The index in all_pairs of the row group at the position (after _current_pair())."""
+        if self.carried is not None:
+            return self.carried[self.pair_index][1]
+        return self.rank + self.pair_index * self.world_size
 
     def _next_pair(self) -> None:
         self.pair_index += 1
@@ -227,6 +313,8 @@ class TokenLoader:
                 raise ValueError(f"every row group of rank {self.rank}'s {self.split} share is empty")
             self._next_pair()
 
+    # ---- stream packing: the next n tokens, documents back to back ------------------------------
+
     def _take(self, n: int) -> list[int] | None:
         out: list[int] = []
         while len(out) < n:
@@ -241,16 +329,128 @@ class TokenLoader:
                 self.token_offset = 0
         return out
 
+    # ---- best-fit packing: rows of whole documents, the last one cropped ------------------------
+
+    def _buffer_add(self, ref: DocRef, doc: list[int], length: int, arrival: int | None = None) -> None:
+        """Only a row's worth of a document is kept: no row takes more of it. The choice goes by its
+        whole length, so a document too long for any row waits, as it would whole; and a buffer
+        that fills with such documents over many epochs holds buffer_docs rows at most, not
+        buffer_docs copies of a 1.5 MB file."""
+        if arrival is None:
+            arrival, self._arrivals = self._arrivals, self._arrivals + 1
+        self._buffer[arrival] = (ref, doc[: self.seq_len + 1], length)
+        key = (length, arrival)
+        self._by_length.insert(bisect_left(self._by_length, key), key)
+
+    def _buffer_pop(self, index: int) -> tuple[int, DocRef, list[int], int]:
+        _, arrival = self._by_length.pop(index)
+        ref, doc, length = self._buffer.pop(arrival)
+        return arrival, ref, doc, length
+
+    def _fill(self) -> None:
+        """Read documents into the buffer until it holds buffer_docs of them or the (val) split ends."""
+        while len(self._buffer) < self.buffer_docs:
+            doc = self._current_doc()
+            if doc is None:
+                return
+            self._buffer_add([self.epoch, self._global_pair(), self.doc_index], doc, len(doc))
+            self.doc_index += 1
+
+    def _choose(self, room: int) -> int:
+        """Where in _by_length the next document of a row with `room` tokens left is: the longest that
+        fits whole (the first to arrive among equals); when none fits, the shortest, to be cropped."""
+        fits = bisect_right(self._by_length, (room, self._arrivals)) - 1
+        if fits < 0:
+            return 0
+        return bisect_left(self._by_length, (self._by_length[fits][0], -1))
+
+    def _best_fit_rows(self) -> list[list[int]] | None:
+        row_len = self.seq_len + 1
+        rows: list[list[int]] = []
+        placements: list[list[tuple[DocRef, int, int]]] = []
+        taken: list[tuple[int, DocRef, list[int], int]] = []
+        for _ in range(self.batch_size):
+            row: list[int] = []
+            placements.append([])
+            while len(row) < row_len:
+                self._fill()
+                if not self._buffer:  # val is used up: the last partial batch's documents stay unread
+                    for arrival, ref, doc, length in taken:
+                        self._buffer_add(ref, doc, length, arrival)
+                    return None
+                arrival, ref, doc, length = self._buffer_pop(self._choose(row_len - len(row)))
+                taken.append((arrival, ref, doc, length))
+                piece = doc[: row_len - len(row)]
+                row.extend(piece)
+                placements[-1].append((ref, len(piece), length))
+            rows.append(row)
+        self.placements = placements
+        return rows
+
     def __iter__(self) -> TokenLoader:
         return self
 
     def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._done:
             raise StopIteration
-        tokens = self._take(self.batch_size * (self.seq_len + 1))
+        if self.packing == "bestfit":
+            rows = self._best_fit_rows()
+            tokens = None if rows is None else [t for row in rows for t in row]
+        else:
+            tokens = self._take(self.batch_size * (self.seq_len + 1))
         if tokens is None:  # val: a last partial batch is dropped
             self._done = True
             raise StopIteration
-        rows = torch.tensor(tokens, dtype=torch.long).view(self.batch_size, self.seq_len + 1)
-        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
+        rows_t = torch.tensor(tokens, dtype=torch.long).view(self.batch_size, self.seq_len + 1)
+        return rows_t[:, :-1].contiguous(), rows_t[:, 1:].contiguous()
 
+
+# ---- what packing costs a corpus -----------------------------------------------------------------
+
+def cropping_cost(loader: TokenLoader, batches: int) -> dict[str, float]:
+    """Over `batches` batches: the share of the documents' tokens placed in rows that cropping left
+    unread, the share of the rows' tokens that come from whole documents, and the tokens of the
+    documents still waiting in the buffer (those too long for any row wait there until cropped)."""
+    rows = taken = cropped = whole = 0
+    for _ in zip(range(batches), loader, strict=False):
+        for row in loader.placements:
+            rows += 1
+            for _, placed, length in row:
+                taken += length
+                cropped += length - placed
+                whole += placed if placed == length else 0
+    row_tokens = rows * (loader.seq_len + 1)
+    waiting = sum(length for _, _, length in loader._buffer.values())
+    return {"batches": rows / loader.batch_size if rows else 0, "row_tokens": row_tokens,
+            "cropped_share": cropped / max(taken, 1), "whole_share": whole / max(row_tokens, 1),
+            "waiting_tokens": waiting}
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    from .tokenizer import Tokenizer
+
+    parser = argparse.ArgumentParser(prog="python -m nanochat_cpu.dataloader",
+                                     description="What best-fit packing crops of a corpus at a row length.")
+    parser.add_argument("--data-dir", required=True, type=Path)
+    parser.add_argument("--tokenizer-dir", required=True, type=Path)
+    parser.add_argument("--seq-len", type=int, default=512, help="the run's --max-seq-len")
+    parser.add_argument("--rows", type=int, default=24, help="rows per batch")
+    parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--buffer-docs", type=int, default=BUFFER_DOCS)
+    args = parser.parse_args(argv)
+    loader = TokenLoader(args.data_dir, Tokenizer.load(args.tokenizer_dir), "train", args.rows, args.seq_len,
+                         buffer_docs=args.buffer_docs)
+    cost = cropping_cost(loader, args.batches)
+    print(f"{args.data_dir}, rows of {args.seq_len + 1} tokens: over {cost['row_tokens']:,} row tokens, cropping "
+          f"left {100 * cost['cropped_share']:.1f}% of the documents' tokens unread; "
+          f"{100 * cost['whole_share']:.1f}% of the rows' tokens are whole documents; "
+          f"{cost['waiting_tokens']:,} tokens wait in the buffer")
+    print(json.dumps({"seq_len": args.seq_len, **cost}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -119,7 +119,7 @@ def batch_problem(rows: list[str], nodes: int, device_batch: int, seq: int, tota
 
 
 PASSED_ON = ("outer_lr", "outer_momentum", "outer_overlap", "sync_warmup_ratio", "grad_comm_dtype",
-             "param_comm_dtype")  # when given
+             "param_comm_dtype", "packing")  # when given
 
 
 def settings_of(args: argparse.Namespace, steps: int) -> dict[str, Any]:
@@ -289,6 +289,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("--grad-comm-dtype", "--param-comm-dtype"):  # what the wire's rounding costs
         p.add_argument(name, choices=("float32", "bfloat16"), default=None,
                        help="passed to the trainer (default: its own)")
+    p.add_argument("--packing", choices=("bestfit", "stream"), default=None,
+                   help="passed to the trainer (default: its own)")
     p.add_argument("--data-dir", type=Path, default=None)
     p.add_argument("--tokenizer-dir", type=Path, default=None)
     p.add_argument("--cores", type=int, default=len(os.sched_getaffinity(0)), help="shared out over the nodes")

@@ -162,6 +162,9 @@ def muon_momentum(step: int) -> float:
     return (1 - frac) * 0.85 + frac * 0.95
 
 
+PACKING_SAID = {"bestfit": "best fit, each row from a document's start", "stream": "back to back, none cropped"}
+
+
 # ---- evaluation ----------------------------------------------------------------------------------
 
 @torch.no_grad()
@@ -170,7 +173,7 @@ def evaluate_bpb(model: GPT, cfg: TrainConfig, env: DistEnv, tokenizer: Tokenize
     """Validation bits per byte: tokenizer-independent, so runs with other vocabularies compare."""
     model.eval()
     loader = TokenLoader(cfg.data_dir, tokenizer, "val", cfg.device_batch_size, cfg.max_seq_len,
-                         env.rank, env.world_size)
+                         env.rank, env.world_size, packing=cfg.packing)
     per_batch = cfg.device_batch_size * cfg.max_seq_len * env.world_size
     batches = max(1, cfg.eval_tokens // per_batch)
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)  # nats, bytes
@@ -720,7 +723,7 @@ def run(cfg: TrainConfig) -> int:
     accum = grad_accum_steps(cfg, sizes)
     if env.master:
         log(env, f"batch: {cfg.total_batch_size:,} tokens/step = {accum} micro-steps x rows {sizes} x "
-                 f"{cfg.max_seq_len} tokens")
+                 f"{cfg.max_seq_len} tokens, documents packed {PACKING_SAID[cfg.packing]} (--packing {cfg.packing})")
     # the ranks that step together at the start agree on its timings: every rank when the run starts
     # synchronous (also where the decision comes in the inner steps after), a node's when it starts
     # with local steps (a one-rank node has no group: falling through to every rank's would mismatch
@@ -731,7 +734,7 @@ def run(cfg: TrainConfig) -> int:
     if resumed_choice and env.master:
         log(env, resumed_choice)
     loader = TokenLoader(cfg.data_dir, tokenizer, "train", sizes[env.rank], cfg.max_seq_len, env.rank,
-                         env.world_size, state=loader_state)
+                         env.world_size, state=loader_state, packing=cfg.packing)
     peak = measure_matmul_peak(env.device, ctx_dtype)
     tracker = Tracker(cfg, env, extra.get("mlflow_run_id"))
     tracker.log_params({**dataclasses.asdict(cfg), "world_size": env.world_size, "flops_per_token": fpt,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import itertools
@@ -377,6 +378,10 @@ def test_fetch_cli_prints_progress(server: ShardServer, tmp_path: Path) -> None:
 # the token loader
 
 
+# These tests are the stream packing's (documents back to back); test_bestfit_loader.py has best-fit's.
+StreamLoader = functools.partial(TokenLoader, packing="stream")
+
+
 @pytest.fixture(scope="module")
 def tok(tiny_tokenizer_dir: Path) -> Tokenizer:
     return Tokenizer.load(tiny_tokenizer_dir)
@@ -410,7 +415,7 @@ def as_rows(batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
 
 
 def test_batches_are_the_packed_bos_stream(tiny_data_dir: Path, tok: Tokenizer) -> None:
-    loader = TokenLoader(tiny_data_dir, tok, "train", batch_size=4, seq_len=32)
+    loader = StreamLoader(tiny_data_dir, tok, "train", batch_size=4, seq_len=32)
     stream = token_stream(tiny_data_dir, tok, "train", 0, 1)
     assert stream.count(tok.bos_id) == TINY_DOCS - TINY_VAL_DOCS
     for k, (inputs, targets) in enumerate(take(loader, 5)):
@@ -428,7 +433,7 @@ def test_ranks_split_row_groups_disjoint_and_covering(tiny_data_dir: Path, tok: 
     assert len(pairs) == 28
     seen: list[tuple[str, int]] = []
     for rank in range(world_size):
-        loader = TokenLoader(tiny_data_dir, tok, "train", 2, 16, rank=rank, world_size=world_size)
+        loader = StreamLoader(tiny_data_dir, tok, "train", 2, 16, rank=rank, world_size=world_size)
         assert loader.pairs == [p for i, p in enumerate(pairs) if i % world_size == rank]
         seen += loader.pairs
         first = torch.tensor(token_stream(tiny_data_dir, tok, "train", rank, world_size)[: 2 * 17]).view(2, 17)
@@ -439,7 +444,7 @@ def test_ranks_split_row_groups_disjoint_and_covering(tiny_data_dir: Path, tok: 
 @pytest.mark.parametrize("world_size", [1, 3, 4])
 def test_val_is_finite_and_complete(tiny_data_dir: Path, tok: Tokenizer, world_size: int) -> None:
     rank = world_size - 1
-    loader = TokenLoader(tiny_data_dir, tok, "val", 8, 64, rank=rank, world_size=world_size)
+    loader = StreamLoader(tiny_data_dir, tok, "val", 8, 64, rank=rank, world_size=world_size)
     stream = token_stream(tiny_data_dir, tok, "val", rank, world_size)
     expected = len(stream) // (8 * 65)
     batches = list(itertools.islice(loader, expected + 2))  # bounded, in case it never stops
@@ -452,13 +457,13 @@ def test_val_is_finite_and_complete(tiny_data_dir: Path, tok: Tokenizer, world_s
 def test_rank_without_row_groups_is_refused(tiny_data_dir: Path, tok: Tokenizer) -> None:
     # the val shard has 4 row groups: a 5th rank would get none and stall the others
     with pytest.raises(ValueError, match=r"val split .* has 4 row groups, too few for rank 4 of world_size 5"):
-        TokenLoader(tiny_data_dir, tok, "val", 2, 16, rank=4, world_size=5)
+        StreamLoader(tiny_data_dir, tok, "val", 2, 16, rank=4, world_size=5)
 
 
 def test_train_wraps_into_next_epoch_seamlessly(tiny_data_dir: Path, tok: Tokenizer) -> None:
     stream = token_stream(tiny_data_dir, tok, "train", 4, 5)
     n = 8 * 65
-    loader = TokenLoader(tiny_data_dir, tok, "train", 8, 64, rank=4, world_size=5)
+    loader = StreamLoader(tiny_data_dir, tok, "train", 8, 64, rank=4, world_size=5)
     count = 2 * len(stream) // n + 1
     got = torch.stack([as_rows(b) for b in take(loader, count)]).flatten()
     assert torch.equal(got, torch.tensor((stream * 3)[: count * n]))
@@ -468,30 +473,30 @@ def test_train_wraps_into_next_epoch_seamlessly(tiny_data_dir: Path, tok: Tokeni
 @pytest.mark.parametrize("skip", [0, 1, 7, "epoch"])
 def test_resume_from_state_yields_the_same_batches(tiny_data_dir: Path, tok: Tokenizer, skip: int | str) -> None:
     args = (tiny_data_dir, tok, "train", 8, 64)
-    original = TokenLoader(*args, rank=4, world_size=5)
+    original = StreamLoader(*args, rank=4, world_size=5)
     if skip == "epoch":  # stop right before the pass over the data ends
         skip = len(token_stream(tiny_data_dir, tok, "train", 4, 5)) // (8 * 65)
     take(original, skip)
     state = json.loads(json.dumps(original.state_dict()))
-    resumed = TokenLoader(*args, rank=4, world_size=5, state=state)
+    resumed = StreamLoader(*args, rank=4, world_size=5, state=state)
     for a, b in zip(take(original, 4), take(resumed, 4), strict=True):
         assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert resumed.state_dict() == original.state_dict()
 
 
 def test_resume_val_midway_and_with_another_batch_size(tiny_data_dir: Path, tok: Tokenizer) -> None:
-    original = TokenLoader(tiny_data_dir, tok, "val", 4, 32)
+    original = StreamLoader(tiny_data_dir, tok, "val", 4, 32)
     take(original, 3)
     state = original.state_dict()
     rest = [as_rows(b) for b in itertools.islice(original, 1000)]
-    resumed = [as_rows(b) for b in itertools.islice(TokenLoader(tiny_data_dir, tok, "val", 4, 32, state=state), 1000)]
+    resumed = [as_rows(b) for b in itertools.islice(StreamLoader(tiny_data_dir, tok, "val", 4, 32, state=state), 1000)]
     assert len(rest) > 0 and all(torch.equal(a, b) for a, b in zip(rest, resumed, strict=True))
     # the state is a token position, so a different batch size continues the same stream
-    half = [as_rows(b) for b in take(TokenLoader(tiny_data_dir, tok, "val", 2, 32, state=state), 2)]
+    half = [as_rows(b) for b in take(StreamLoader(tiny_data_dir, tok, "val", 2, 32, state=state), 2)]
     assert torch.equal(torch.cat(half), rest[0])
 
 
 def test_state_from_another_layout_is_refused(tiny_data_dir: Path, tok: Tokenizer) -> None:
-    state = TokenLoader(tiny_data_dir, tok, "train", 2, 16, rank=1, world_size=5).state_dict()
+    state = StreamLoader(tiny_data_dir, tok, "train", 2, 16, rank=1, world_size=5).state_dict()
     with pytest.raises(ValueError, match="positions do not carry over"):
-        TokenLoader(tiny_data_dir, tok, "train", 2, 16, rank=1, world_size=2, state=state)
+        StreamLoader(tiny_data_dir, tok, "train", 2, 16, rank=1, world_size=2, state=state)

@@ -7,6 +7,7 @@ token ids they name, so the coverage checks below are about what the loaders rea
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 from collections import Counter
@@ -22,6 +23,8 @@ from test_data import all_pairs, as_rows, take
 from nanochat_cpu.dataloader import TokenLoader, carry_over_position
 from nanochat_cpu.tokenizer import Tokenizer
 
+# The stream packing's position (best-fit's buffer on top of it: test_bestfit_loader.py).
+StreamLoader = functools.partial(TokenLoader, packing="stream")
 Label = tuple[int, int, int, int]  # epoch, global pair index, document, token index
 SEQ_LEN = 32
 
@@ -69,7 +72,7 @@ class World:
     def __init__(self, data_dir: Path, tok: Tokenizer, docs: list[list[list[int]]], states: list[dict[str, Any]],
                  batch_sizes: list[int]) -> None:
         self.docs = docs
-        self.loaders = [TokenLoader(data_dir, tok, "train", b, SEQ_LEN, s["rank"], s["world_size"], state=s)
+        self.loaders = [StreamLoader(data_dir, tok, "train", b, SEQ_LEN, s["rank"], s["world_size"], state=s)
                         for s, b in zip(states, batch_sizes, strict=True)]
         self.ahead = [schedule(s, docs) for s in states]
 
@@ -136,7 +139,7 @@ def test_same_world_size_is_returned_untouched(tiny_data_dir: Path, tok: Tokeniz
     for rank, original in enumerate(world.loaders):
         state = carry_over_position(saved, rank, 3, len(docs))
         assert state is saved[rank]
-        resumed = TokenLoader(tiny_data_dir, tok, "train", original.batch_size, SEQ_LEN, rank, 3, state=state)
+        resumed = StreamLoader(tiny_data_dir, tok, "train", original.batch_size, SEQ_LEN, rank, 3, state=state)
         for a, b in zip(take(original, 6), take(resumed, 6), strict=True):
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
         assert resumed.state_dict() == original.state_dict()
@@ -221,7 +224,7 @@ def test_begun_row_group_continues_at_its_offset_on_one_rank(tiny_data_dir: Path
         state, index = holders[0]
         assert index == 0 and state["carried"][0] == [0, pair, doc, offset]
         assert (state["doc_index"], state["token_offset"]) == (doc, offset)
-        first = as_rows(next(TokenLoader(tiny_data_dir, tok, "train", 1, SEQ_LEN, state["rank"], 3, state=state)))
+        first = as_rows(next(StreamLoader(tiny_data_dir, tok, "train", 1, SEQ_LEN, state["rank"], 3, state=state)))
         assert first.flatten().tolist() == tokens_from(pair, doc, offset, docs)[: SEQ_LEN + 1]
 
 
@@ -235,14 +238,14 @@ def test_carried_loaders_resume_at_the_same_size_exactly(tiny_data_dir: Path, to
     old = World(tiny_data_dir, tok, docs, fresh(2), [2, 3])
     old.read(0, 9)
     old.read(1, 14)
-    middle = [TokenLoader(tiny_data_dir, tok, "train", 4, SEQ_LEN, s["rank"], 3, state=s)
+    middle = [StreamLoader(tiny_data_dir, tok, "train", 4, SEQ_LEN, s["rank"], 3, state=s)
               for s in carry(old.states(), 3, len(docs))]
     for loader in middle:
         take(loader, batches_to_read(loader, carried_tokens(loader.state_dict(), docs)) + 1 if past_the_list else 4)
     saved = [json.loads(json.dumps(loader.state_dict())) for loader in middle]
     assert all(("carried" in s) != past_the_list for s in saved)
     for rank, original in enumerate(middle):
-        resumed = TokenLoader(tiny_data_dir, tok, "train", 4, SEQ_LEN, rank, 3,
+        resumed = StreamLoader(tiny_data_dir, tok, "train", 4, SEQ_LEN, rank, 3,
                               state=carry_over_position(saved, rank, 3, len(docs)))
         for a, b in zip(take(original, 5), take(resumed, 5), strict=True):
             assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
@@ -252,7 +255,7 @@ def test_carried_loaders_resume_at_the_same_size_exactly(tiny_data_dir: Path, to
 def test_todays_states_load_and_carry_over(tiny_data_dir: Path, tok: Tokenizer, docs: list[list[list[int]]]) -> None:
     old = {"split": "train", "rank": 1, "world_size": 2, "epoch": 0, "pair_index": 3, "doc_index": 5,
            "token_offset": 2}
-    loader = TokenLoader(tiny_data_dir, tok, "train", 1, SEQ_LEN, 1, 2, state=old)
+    loader = StreamLoader(tiny_data_dir, tok, "train", 1, SEQ_LEN, 1, 2, state=old)
     assert loader.state_dict() == old
     assert as_rows(next(loader)).flatten().tolist() == tokens_from(7, 5, 2, docs)[: SEQ_LEN + 1]
     saved = [{**old, "rank": 0, "pair_index": 4, "doc_index": 0, "token_offset": 0}, old]
@@ -262,7 +265,7 @@ def test_todays_states_load_and_carry_over(tiny_data_dir: Path, tok: Tokenizer, 
 
 def test_val_carried_over_reads_its_rest_then_stops(tiny_data_dir: Path, tok: Tokenizer) -> None:
     val_docs = split_docs(tiny_data_dir, tok, "val")
-    val = [TokenLoader(tiny_data_dir, tok, "val", 2, SEQ_LEN, r, 2) for r in range(2)]
+    val = [StreamLoader(tiny_data_dir, tok, "val", 2, SEQ_LEN, r, 2) for r in range(2)]
     take(val[0], 5)
     assert list(itertools.islice(val[1], 1000))  # rank 1 has read its whole share
     saved = [loader.state_dict() for loader in val]
@@ -270,7 +273,7 @@ def test_val_carried_over_reads_its_rest_then_stops(tiny_data_dir: Path, tok: To
     for rank in range(3):
         state = carry_over_position(saved, rank, 3, len(val_docs))
         assert state["resume_epoch"] == 1 and all(item[0] == 0 and item[1] % 2 == 0 for item in state["carried"])
-        loader = TokenLoader(tiny_data_dir, tok, "val", 2, SEQ_LEN, rank, 3, state=state)
+        loader = StreamLoader(tiny_data_dir, tok, "val", 2, SEQ_LEN, rank, 3, state=state)
         got = [t for batch in itertools.islice(loader, 1000) for t in as_rows(batch).flatten().tolist()]
         expected = [val_docs[p][d][t] for item in state["carried"] for _, p, d, t in labelled(*item, val_docs)]
         assert got == expected[: len(expected) // row * row]  # a last partial batch is dropped, as ever
@@ -281,7 +284,7 @@ def test_state_of_another_layout_not_carried_over_is_refused(tiny_data_dir: Path
     state = fresh(2)[1]
     with pytest.raises(ValueError, match=r"loader state is for \{'split': 'train', 'rank': 1, 'world_size': 2\}, "
                                          r"this loader is \{'split': 'train', 'rank': 1, 'world_size': 3\}"):
-        TokenLoader(tiny_data_dir, tok, "train", 2, SEQ_LEN, 1, 3, state=state)
+        StreamLoader(tiny_data_dir, tok, "train", 2, SEQ_LEN, 1, 3, state=state)
 
 
 @pytest.mark.parametrize("saved", [[], fresh(3)[:2], fresh(2)[::-1], [fresh(2)[0], {**fresh(2)[1], "split": "val"}]])

@@ -506,6 +506,17 @@ def test_the_wire_dtypes_reach_the_trainer_flags(tmp_path: Path) -> None:
     assert "--grad-comm-dtype float32 --param-comm-dtype float32" in (tmp_path / "train_args").read_text()
 
 
+def test_the_packing_reaches_the_trainer_flags(tmp_path: Path) -> None:
+    res = run_validate_on_localhost(tmp_path, {})
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert " --packing bestfit " in (tmp_path / "train_args").read_text()
+    res = run_validate_on_localhost(tmp_path, {}, "-e", "packing=stream")
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert " --packing stream " in (tmp_path / "train_args").read_text()
+    res = run_validate_on_localhost(tmp_path, {}, "-e", "packing=crop")
+    assert res.returncode != 0 and "must be one of: bestfit, stream, got: crop" in res.stdout, res.stdout
+
+
 def test_work_split_from_the_inventory_is_checked_per_host(tmp_path: Path) -> None:
     res = run_validate_on_localhost(tmp_path, {"workstation": 3, "laptop": 0}, "-e", "work_split=inventory")
     assert res.returncode != 0
