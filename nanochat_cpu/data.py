@@ -5,11 +5,15 @@ in several row groups. The manifest lists every file with its size, sha256 and r
 the last file is the validation shard. Ranks hash the manifest before step 0 and `verify`
 re-hashes the files, so two nodes can never silently train on different data (docs/FAILURES.md
 row 1). Beside it: `download.py` moves fetch's bytes, `dataloader.py` reads shards as batches.
+`prepare` and `verify` print a corpus report: sizes, the longest documents and their share,
+non-text documents and exact duplicates, with a WARNING line for each outlier that would hurt a
+run (one 1.77 MB PostScript file among prose once wrecked one).
 
     python -m nanochat_cpu.data corpus --out DIR          # offline English: Debian `fortunes`
     python -m nanochat_cpu.data prepare --source PATH... --out DIR
+        [--max-doc-chars N --long-docs {warn,crop,drop}] [--drop-binary] [--dedupe]
     python -m nanochat_cpu.data fetch -n N --out DIR      # ClimbMix shards, as nanochat
-    python -m nanochat_cpu.data verify --data-dir DIR
+    python -m nanochat_cpu.data verify --data-dir DIR [--tokenizer-dir TOK]   # + every row group, the report
 """
 
 from __future__ import annotations
@@ -31,6 +35,21 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .corpus_report import (
+    LONG_DOC_ACTIONS,
+    LONG_DOC_CHARS,
+    VAL_DOC_SHARE,
+    Docs,
+    cap_long_documents,
+    corpus_report,
+    dedupe_documents,
+    drop_non_text,
+    pick_val,
+    removed_line,
+    report_lines,
+    val_outliers,
+    val_share_line,
+)
 from .download import CHUNK_BYTES, download, part_path
 
 MANIFEST = "manifest.json"
@@ -41,6 +60,7 @@ FORTUNES_SKIP = frozenset({"art", "ascii-art"})
 # nanochat's pretraining data: ClimbMix, shard_00000 ... shard_06542, the last pinned as val.
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main"
 DEFAULT_VAL_INDEX = 6542
+
 
 
 # -----------------------------------------------------------------------------
@@ -134,6 +154,14 @@ def iter_texts(data_dir: str | Path, split: str) -> Iterator[list[str]]:
         yield read_texts(data_dir, pair)
 
 
+def shard_docs(data_dir: str | Path, splits: Sequence[str] = ("train", "val")) -> Iterator[Docs]:
+    """Every row group of the splits, each document named by shard, row group and row."""
+    for split in splits:
+        for name, group in row_group_pairs(data_dir, split):
+            texts = read_texts(data_dir, (name, group))
+            yield Docs(split, name, [f"{name} row group {group} row {row}" for row in range(len(texts))], texts)
+
+
 # -----------------------------------------------------------------------------
 # Text files -> documents -> shards
 
@@ -171,11 +199,16 @@ def source_files(sources: Sequence[str | Path]) -> list[Path]:
     return files
 
 
-def collect_documents(sources: Sequence[str | Path]) -> list[str]:
-    docs: list[str] = []
+def collect_named_documents(sources: Sequence[str | Path]) -> list[tuple[str, str]]:
+    """(name, text) of every document: the name says which file to look at when one is flagged."""
+    docs: list[tuple[str, str]] = []
     for path in source_files(sources):
-        docs.extend(read_documents(path))
+        docs.extend((f"{path} doc {i}", text) for i, text in enumerate(read_documents(path), start=1))
     return docs
+
+
+def collect_documents(sources: Sequence[str | Path]) -> list[str]:
+    return [text for _, text in collect_named_documents(sources)]
 
 
 def _write_shard(path: Path, docs: list[str], rows_per_group: int) -> None:
@@ -192,8 +225,12 @@ def write_shards(
     groups_per_shard: int = 4,
     val_docs: int | None = None,
     seed: int = 0,
+    max_doc_chars: int = LONG_DOC_CHARS,
 ) -> dict[str, Any]:
-    """Shuffle docs (seeded), write train shards then one val shard, then the manifest."""
+    """Shuffle docs (seeded), write train shards then one val shard, then the manifest.
+
+    An outlier (`val_outliers`) that the shuffle puts in the val shard goes to train instead:
+    val_bpb must measure the corpus, not one PostScript file."""
     if rows_per_group < 1 or groups_per_shard < 1:
         raise ValueError("--rows-per-group and --groups-per-shard must be at least 1")
     docs = list(docs)
@@ -203,7 +240,13 @@ def write_shards(
     if not 1 <= val_docs < len(docs):
         raise ValueError(f"need 1 <= val docs < {len(docs)} documents, got {val_docs}")
     random.Random(seed).shuffle(docs)
-    train, val = docs[:-val_docs], docs[-val_docs:]
+    chosen = pick_val(val_outliers(docs, val_docs, max_doc_chars), val_docs)
+    train = [d for i, d in enumerate(docs) if i not in chosen]
+    val = [d for i, d in enumerate(docs) if i in chosen]
+    moved = [len(docs[i]) for i in range(len(docs) - val_docs, len(docs)) if i not in chosen]
+    if moved:
+        print(f"val shard: {len(moved)} outlier document(s), {sum(moved):,} characters, went to train instead "
+              f"(non-text, over {max_doc_chars:,} characters, or alone over {VAL_DOC_SHARE:.0%} of the val shard)")
     chunks = [train[i : i + per_shard] for i in range(0, len(train), per_shard)] + [val]
 
     out = Path(out)
@@ -229,10 +272,35 @@ def prepare(
     groups_per_shard: int = 4,
     val_docs: int | None = None,
     seed: int = 0,
+    max_doc_chars: int = LONG_DOC_CHARS,
+    long_docs: str = "warn",
+    drop_binary: bool = False,
+    dedupe: bool = False,
 ) -> dict[str, Any]:
-    """Text files (or dirs of them) -> shards + manifest in out."""
-    docs = collect_documents(sources)
-    return write_shards(docs, out, rows_per_group, groups_per_shard, val_docs, seed)
+    """Text files (or dirs of them) -> shards + manifest in out, printing the corpus report.
+
+    The options act on the outliers the report names; each says what it removed. By default
+    nothing is removed and only the val shard's pick avoids outliers (see write_shards)."""
+    if long_docs not in LONG_DOC_ACTIONS:
+        raise ValueError(f"--long-docs must be one of {', '.join(LONG_DOC_ACTIONS)}, got {long_docs!r}")
+    if max_doc_chars < 1:
+        raise ValueError(f"--max-doc-chars must be at least 1, got {max_doc_chars}")
+    docs = collect_named_documents(sources)
+    if drop_binary:
+        docs, removed = drop_non_text(docs)
+        print(removed_line("--drop-binary", removed))
+    if dedupe:
+        docs, removed = dedupe_documents(docs)
+        print(removed_line("--dedupe", removed))
+    if long_docs != "warn":
+        docs, removed = cap_long_documents(docs, max_doc_chars, long_docs)
+        verb = "to" if long_docs == "crop" else "over"
+        print(removed_line(f"--long-docs {long_docs} ({verb} {max_doc_chars:,} characters)", removed))
+    names, texts = [name for name, _ in docs], [text for _, text in docs]
+    print("\n".join(report_lines(corpus_report([Docs("all", "", names, texts)], max_doc_chars=max_doc_chars))))
+    manifest = write_shards(texts, out, rows_per_group, groups_per_shard, val_docs, seed, max_doc_chars)
+    print(val_share_line(corpus_report(shard_docs(out, ("val",))).splits["val"]))
+    return manifest
 
 
 def fortune_files(root: Path = FORTUNES_DIR) -> list[Path]:
@@ -310,11 +378,47 @@ def fetch(
 # Verify
 
 
+def schema_problem(schema: pa.Schema) -> str | None:
+    """A shard is exactly one `text` column of strings: what the loader and the tokenizer read."""
+    if schema.names != ["text"]:
+        return f"columns {schema.names}, expected exactly one, 'text'"
+    kind = schema.field("text").type
+    if kind not in (pa.string(), pa.large_string()):
+        return f"column 'text' is {kind}, expected string"
+    return None
+
+
+def shard_problem(path: Path) -> str | None:
+    """Read every row group, not only the footer: a corrupt page shows only when it is decoded."""
+    # The footer's problems in check_dataset's words: the same fault reads the same in preflight and trainer.
+    try:
+        shard = pq.ParquetFile(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad footer
+        return f"not a readable parquet file ({type(e).__name__}: {e})"
+    if (problem := schema_problem(shard.schema_arrow)) is not None:
+        return problem
+    if shard.metadata.num_rows == 0:
+        return "empty shard (0 rows); every shard must hold documents"
+    try:
+        for group in range(shard.num_row_groups):
+            where = f"row group {group}"
+            column = shard.read_row_group(group, columns=["text"]).column("text")
+            column.validate(full=True)  # bytes flipped inside a string are invalid UTF-8, found here
+            if column.null_count:
+                return f"{where}: {column.null_count} null document(s)"
+    except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad page
+        return f"{where}: unreadable ({type(e).__name__}: {e})"
+    return None
+
+
 def verify(data_dir: str | Path) -> list[str]:
-    """Re-hash every file against the manifest; one line per problem, empty when all match."""
+    """Re-hash every file against the manifest, then read every shard whose hash matches (schema,
+    every row group); one line per problem, empty when all is well."""
     data_dir = Path(data_dir)
     host = socket.gethostname()
     fix = "(fix: re-run site.yml to re-push the dataset)"
+    # The file is what the manifest says: pushing it again cannot help, writing it again can.
+    rebuild = "(fix: prepare, corpus or fetch the dataset again on the controller, then re-run site.yml)"
     try:
         manifest = read_manifest(data_dir)
     except (OSError, ValueError) as e:
@@ -327,6 +431,8 @@ def verify(data_dir: str | Path) -> list[str]:
             problems.append(
                 f"data verify FAILED on {host}: {entry['file']}: expected sha256 {entry['sha256']}, found {found} {fix}"
             )
+        elif (problem := shard_problem(path)) is not None:
+            problems.append(f"data verify FAILED on {host}: {entry['file']}: {problem} {rebuild}")
     return problems
 
 
@@ -336,7 +442,8 @@ def check_dataset(data_dir: str | Path, world_size: int, digests: dict[str, str]
     Only facts that are the same on every rank are used (the ranks have already agreed on the
     files' hashes), so every rank reaches the same verdict and can exit without a collective:
     the manifest is readable; each file matches its manifest sha256 (`digests`: name -> sha256,
-    already computed for the fingerprint) and is a readable parquet file with rows; each split
+    already computed for the fingerprint) and is a readable parquet file with rows whose footer's
+    schema is one `text` column of strings (`verify` reads the pages too: too slow here); each split
     has at least one row group per rank.
     """
     data_dir = Path(data_dir)
@@ -363,7 +470,9 @@ def check_dataset(data_dir: str | Path, world_size: int, digests: dict[str, str]
         except Exception as e:  # noqa: BLE001 - pyarrow raises several types for a bad footer
             problems.append(f"{path}: not a readable parquet file ({type(e).__name__}: {e}); {fix}")
             continue
-        if meta.num_rows == 0:
+        if (bad_schema := schema_problem(meta.schema.to_arrow_schema())) is not None:  # the footer's: cheap
+            problems.append(f"{path}: {bad_schema}; {fix}")
+        elif meta.num_rows == 0:
             problems.append(f"{path}: empty shard (0 rows); every shard must hold documents; {fix}")
         elif rows is not None and meta.num_rows != rows:
             problems.append(f"{path}: {meta.num_rows} rows, {MANIFEST} says {rows}; {fix}")
@@ -395,6 +504,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--groups-per-shard", type=int, default=4)
     p.add_argument("--val-docs", type=int, default=None, help="documents in the val shard (default: one shard)")
     p.add_argument("--seed", type=int, default=0, help="shuffle seed")
+    p.add_argument("--max-doc-chars", type=int, default=LONG_DOC_CHARS,
+                   help=f"longer documents are flagged, or cropped/dropped by --long-docs (default {LONG_DOC_CHARS:,})")
+    p.add_argument("--long-docs", choices=LONG_DOC_ACTIONS, default="warn",
+                   help="what to do with documents over --max-doc-chars (default: warn)")
+    p.add_argument("--drop-binary", action="store_true", help="drop documents that look binary or non-text")
+    p.add_argument("--dedupe", action="store_true", help="keep only the first of exact duplicate documents")
 
     p = sub.add_parser("corpus", help="the offline English demo corpus from Debian's `fortunes`")
     p.add_argument("--out", required=True, type=Path)
@@ -408,19 +523,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds per socket operation")
     p.add_argument("--retries", type=int, default=5)
 
-    p = sub.add_parser("verify", help="re-hash every file against manifest.json")
+    p = sub.add_parser("verify", help="re-hash every file against manifest.json, read every row group, report")
     p.add_argument("--data-dir", required=True, type=Path)
+    p.add_argument("--tokenizer-dir", type=Path, default=None, help="count tokens per shard with this tokenizer")
+    p.add_argument("--no-report", dest="report", action="store_false",
+                   help="check only (each node's preflight: the controller has shown the report once)")
 
     args = parser.parse_args(argv)
     try:
         if args.cmd == "prepare":
-            m = prepare(args.source, args.out, args.rows_per_group, args.groups_per_shard, args.val_docs, args.seed)
+            m = prepare(args.source, args.out, args.rows_per_group, args.groups_per_shard, args.val_docs, args.seed,
+                        args.max_doc_chars, args.long_docs, args.drop_binary, args.dedupe)
         elif args.cmd == "corpus":
             m = corpus(args.out, root=args.fortunes_dir)
         elif args.cmd == "fetch":
             m = fetch(args.num_files, args.out, args.base_url, args.val_index, args.timeout, args.retries)
         else:
-            return _verify_cli(args.data_dir)
+            return _verify_cli(args.data_dir, args.tokenizer_dir, args.report)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"data {args.cmd}: {e}", file=sys.stderr)
         return 2
@@ -430,7 +549,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _verify_cli(data_dir: Path) -> int:
+def _verify_cli(data_dir: Path, tokenizer_dir: Path | None, report: bool) -> int:
     problems = verify(data_dir)
     for line in problems:
         print(line, file=sys.stderr)
@@ -442,6 +561,8 @@ def _verify_cli(data_dir: Path) -> int:
         f"data verify OK on {socket.gethostname()}: {len(m['files'])} files, {size / 1e6:.1f} MB, "
         f"manifest sha256 {manifest_hash(data_dir)}"
     )
+    if report:
+        print("\n".join(report_lines(corpus_report(shard_docs(data_dir), tokenizer_dir))))
     return 0
 
 

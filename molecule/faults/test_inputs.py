@@ -92,7 +92,8 @@ def bad_shards(cluster: Cluster) -> Iterator[None]:
 
 
 def test_empty_and_corrupt_shard(cluster: Cluster, case_report: dict, bad_shards: None) -> None:
-    """The hashes agree, the trainer's own check of every shard refuses them."""
+    """The hashes agree; preflight's `data verify` (which reads every shard) refuses them in the
+    words of the trainer's own check."""
     r = refused(cluster, RUN.vars, "shard_00001.parquet: empty shard (0 rows)", "an empty and a corrupt shard")
     assert "shard_00002.parquet: not a readable parquet file" in r["message"], f"corrupt shard not named: {r}"
     case_report["bad_shards"] = r
