@@ -30,8 +30,10 @@ if TYPE_CHECKING:
     from .tokenizer import Tokenizer
 
 PACKINGS = ("bestfit", "stream")
-# Documents best-fit chooses among, as nanochat's loader: enough that a row is nearly always
-# filled by whole documents, few enough that a resume re-reads only a row group or two.
+# Documents best-fit chooses among, as nanochat's loader: enough that most rows are filled by whole
+# documents. A resume reads again the row groups its buffered documents came from: the latest
+# row group or two, and one for each long document still waiting (up to a few hundred, each a
+# parquet read; only the buffered documents are tokenized).
 BUFFER_DOCS = 1000
 
 # One row group of a carried-over epoch: [epoch, global pair index, doc_index, token_offset],
@@ -126,11 +128,12 @@ def packing_mismatch(state: dict[str, Any], packing: str) -> str | None:
     document's start (every state written before best-fit packing existed is the stream's) goes on
     best-fit with an empty buffer; best-fit's buffer, or a document begun, cannot be taken over."""
     packed = state.get("packing", "stream")
-    begun = [int(state.get("token_offset", 0))] + [int(item[3]) for item in state.get("carried", [])]
+    later = state.get("carried", [])[int(state.get("pair_index", 0)) + 1:]  # those read are behind it
+    begun = [int(state.get("token_offset", 0))] + [int(item[3]) for item in later]
     if packed == packing or (packed == "stream" and not any(begun)):
         return None
     return (f"the loader's position was saved with --packing {packed}, this run packs with --packing {packing}: "
-            f"resume with --packing {packed}, or start a new run")
+            f"resume with --packing {packed} (train.yml: -e packing={packed}), or start a new run")
 
 
 class TokenLoader:
@@ -198,6 +201,7 @@ class TokenLoader:
         # sorted for the choice
         self._buffer: dict[int, tuple[DocRef, list[int], int]] = {}
         self._by_length: list[tuple[int, int]] = []
+        self._buffered: set[tuple[int, int]] = set()  # (global pair, document) of each buffered one
         self._arrivals = 0
         self.placements: list[list[tuple[DocRef, int, int]]] = []
         if state is not None:
@@ -220,6 +224,10 @@ class TokenLoader:
             state["packing"] = self.packing
             state["buffer"] = [list(self._buffer[arrival][0]) for arrival in sorted(self._buffer)]
         return state
+
+    def position(self) -> dict[str, Any]:
+        """Where the loader reads, for a message: the state without the buffer's references."""
+        return {k: v for k, v in self.state_dict().items() if k != "buffer"}
 
     def _load_state(self, state: dict[str, Any]) -> None:
         mine = {"split": self.split, "rank": self.rank, "world_size": self.world_size}
@@ -247,18 +255,21 @@ class TokenLoader:
         if any(not 0 <= ref[1] < len(self.all_pairs) for ref in refs):
             raise ValueError(f"the loader's buffer names row groups beyond the {len(self.all_pairs)} of the "
                              f"{self.split} split of {self.data_dir}: was the data re-prepared?")
-        tokens: dict[tuple[int, int], list[int]] = {}
-        for pair in sorted({ref[1] for ref in refs}):
-            wanted = sorted({ref[2] for ref in refs if ref[1] == pair})
+        by_pair: dict[int, set[int]] = {}
+        for ref in refs:
+            by_pair.setdefault(ref[1], set()).add(ref[2])
+        kept: dict[tuple[int, int], tuple[list[int], int]] = {}  # a row's worth and the length: no more held
+        for pair, docs in sorted(by_pair.items()):
+            wanted = sorted(docs)
             texts = read_texts(self.data_dir, self.all_pairs[pair])
             if wanted[-1] >= len(texts):
                 raise ValueError(f"the loader's buffer names document {wanted[-1]} of {self.all_pairs[pair]}, which "
                                  f"holds {len(texts)}: was the data re-prepared?")
             encoded = self.tokenizer.encode_batch([texts[d] for d in wanted], self.num_threads)
-            tokens |= {(pair, d): [self.tokenizer.bos_id, *ids] for d, ids in zip(wanted, encoded, strict=True)}
+            kept |= {(pair, d): ([self.tokenizer.bos_id, *ids[: self.seq_len]], len(ids) + 1)
+                     for d, ids in zip(wanted, encoded, strict=True)}
         for ref in refs:
-            doc = tokens[ref[1], ref[2]]
-            self._buffer_add(ref, doc, len(doc))
+            self._buffer_add(ref, *kept[ref[1], ref[2]])
 
     # ---- the stream of documents ------------------------------------------------------------------
 
@@ -339,19 +350,25 @@ class TokenLoader:
         if arrival is None:
             arrival, self._arrivals = self._arrivals, self._arrivals + 1
         self._buffer[arrival] = (ref, doc[: self.seq_len + 1], length)
+        self._buffered.add((ref[1], ref[2]))
         key = (length, arrival)
         self._by_length.insert(bisect_left(self._by_length, key), key)
 
     def _buffer_pop(self, index: int) -> tuple[int, DocRef, list[int], int]:
         _, arrival = self._by_length.pop(index)
         ref, doc, length = self._buffer.pop(arrival)
+        self._buffered.discard((ref[1], ref[2]))
         return arrival, ref, doc, length
 
     def _fill(self) -> None:
-        """Read documents into the buffer until it holds buffer_docs of them or the (val) split ends."""
+        """Read documents into the buffer until it holds buffer_docs of them, the (val) split ends, or
+        the next document is still buffered from an earlier epoch: a rank whose share is smaller than
+        the buffer would otherwise hold two copies of a document (and put both in one row), and a
+        document too long for any row would wait there once more every epoch. Stopping there lets the
+        buffer run down until that copy is placed: one that never fits is cropped, a row an epoch."""
         while len(self._buffer) < self.buffer_docs:
             doc = self._current_doc()
-            if doc is None:
+            if doc is None or (self._global_pair(), self.doc_index) in self._buffered:
                 return
             self._buffer_add([self.epoch, self._global_pair(), self.doc_index], doc, len(doc))
             self.doc_index += 1
@@ -407,10 +424,14 @@ class TokenLoader:
 
 # ---- what packing costs a corpus -----------------------------------------------------------------
 
-def cropping_cost(loader: TokenLoader, batches: int) -> dict[str, float]:
-    """Over `batches` batches: the share of the documents' tokens placed in rows that cropping left
-    unread, the share of the rows' tokens that come from whole documents, and the tokens of the
-    documents still waiting in the buffer (those too long for any row wait there until cropped)."""
+def cropping_cost(loader: TokenLoader, batches: int, warmup: int = 0) -> dict[str, float]:
+    """Over `batches` batches after `warmup` more: the share of the documents' tokens placed in rows
+    that cropping left unread, the share of the rows' tokens that come from whole documents, and
+    the tokens of the documents still waiting in the buffer. The buffer starts as a fresh sample of
+    the corpus and fills with documents too long to fit: the first batches crop less than a long
+    run does, so measure after a warm-up."""
+    for _ in zip(range(warmup), loader, strict=False):
+        pass
     rows = taken = cropped = whole = 0
     for _ in zip(range(batches), loader, strict=False):
         for row in loader.placements:
@@ -438,17 +459,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokenizer-dir", required=True, type=Path)
     parser.add_argument("--seq-len", type=int, default=512, help="the run's --max-seq-len")
     parser.add_argument("--rows", type=int, default=24, help="rows per batch")
-    parser.add_argument("--batches", type=int, default=200)
+    parser.add_argument("--batches", type=int, default=200, help="batches measured")
+    parser.add_argument("--warmup", type=int, default=300, help="batches read first (a long run's buffer)")
     parser.add_argument("--buffer-docs", type=int, default=BUFFER_DOCS)
     args = parser.parse_args(argv)
     loader = TokenLoader(args.data_dir, Tokenizer.load(args.tokenizer_dir), "train", args.rows, args.seq_len,
                          buffer_docs=args.buffer_docs)
-    cost = cropping_cost(loader, args.batches)
-    print(f"{args.data_dir}, rows of {args.seq_len + 1} tokens: over {cost['row_tokens']:,} row tokens, cropping "
+    cost = cropping_cost(loader, args.batches, args.warmup)
+    print(f"{args.data_dir}, rows of {args.seq_len + 1} tokens, after {args.warmup} batches: over "
+          f"{cost['row_tokens']:,} row tokens, cropping "
           f"left {100 * cost['cropped_share']:.1f}% of the documents' tokens unread; "
           f"{100 * cost['whole_share']:.1f}% of the rows' tokens are whole documents; "
           f"{cost['waiting_tokens']:,} tokens wait in the buffer")
-    print(json.dumps({"seq_len": args.seq_len, **cost}))
+    print(json.dumps({"seq_len": args.seq_len, "warmup": args.warmup, **cost}))
     return 0
 
 

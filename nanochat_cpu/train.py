@@ -563,7 +563,7 @@ def accumulate_gradients(cfg: TrainConfig, env: DistEnv, train_model, loader: To
             x, y = next(loader)
         except Exception as exc:  # noqa: BLE001 - a shard unreadable mid-run: name it, not a traceback
             fail(env, EXIT_CONFIG, f"reading --data-dir={cfg.data_dir} failed at step {step + 1} "
-                                   f"(loader position {loader.state_dict()}): {type(exc).__name__}: {exc}. "
+                                   f"(loader position {loader.position()}): {type(exc).__name__}: {exc}. "
                                    f"Fix: `python -m nanochat_cpu.data verify --data-dir {cfg.data_dir}`, "
                                    f"then re-run site.yml")
         x, y = x.to(env.device), y.to(env.device)
