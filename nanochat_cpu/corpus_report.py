@@ -6,7 +6,7 @@ split, binary or non-text content, and exact copies teach the model one thing ov
 documents before they are written) and says what it found, a WARNING line for each finding over
 its threshold naming the document, the value, the threshold and the prepare option that fixes
 it. The options themselves (`drop_non_text`, `dedupe_documents`, `cap_long_documents`) and the
-choice of an honest val shard (`val_outliers`, `pick_val`) are here too; data.py calls them.
+choice of an honest val shard (`choose_val`) are here too; data.py calls them.
 """
 
 from __future__ import annotations
@@ -152,6 +152,12 @@ def report_warnings(report: CorpusReport) -> list[str]:
     cap, lines = report.max_doc_chars, []
     for split, stats in report.splits.items():
         named_over_cap = 0
+        # a cap that clears every share warning: cropped to N, each of the k flagged documents is
+        # N / (the rest + k N) of the split, at most LONG_DOC_SHARE when N <= s * rest / (1 - s k)
+        flagged = [n for n, _, _ in stats.longest
+                   if n <= cap and n / max(stats.chars, 1) > LONG_DOC_SHARE and n > _long_doc_floor(stats)]
+        rest = stats.chars - sum(flagged)
+        suggest = max(int(LONG_DOC_SHARE * rest / (1 - LONG_DOC_SHARE * len(flagged))), int(_long_doc_floor(stats)))
         for n, _, name in stats.longest:
             share = n / max(stats.chars, 1)
             if n > cap:
@@ -159,7 +165,6 @@ def report_warnings(report: CorpusReport) -> list[str]:
                 lines.append(f"WARNING: {name}: {n:,} characters, over the {cap:,} cap ({share:.1%} of {split} "
                              f"characters); fix: prepare --max-doc-chars {cap} --long-docs crop (or drop)")
             elif share > LONG_DOC_SHARE and n > _long_doc_floor(stats):
-                suggest = max(int(LONG_DOC_SHARE * stats.chars), int(_long_doc_floor(stats)))
                 lines.append(f"WARNING: {name}: {share:.1%} of {split} characters ({n:,}; threshold "
                              f"{LONG_DOC_SHARE:.0%}, and {OUTLIER_MEDIANS}x the median document); fix: prepare "
                              f"--max-doc-chars {suggest} --long-docs crop (or drop)")
@@ -171,12 +176,13 @@ def report_warnings(report: CorpusReport) -> list[str]:
             if n / max(stats.chars, 1) > VAL_DOC_SHARE and n > _long_doc_floor(stats):
                 lines.append(f"WARNING: {name} alone is {n / stats.chars:.1%} of the val shard's characters "
                              f"(threshold {VAL_DOC_SHARE:.0%}): val_bpb would measure this one document; fix: "
-                             f"prepare the data again (it keeps such documents out of the val shard)")
+                             f"prepare the data again (prepare keeps such documents out of the val shard)")
     for name, why in report.non_text:
-        lines.append(f"WARNING: {name} looks binary or non-text: {why}; fix: prepare --drop-binary")
+        lines.append(f"WARNING: {name} looks binary or non-text: {why}; fix, unless it is meant to be "
+                     f"learnt: prepare --drop-binary")
     if report.non_text_count > len(report.non_text):
         lines.append(f"WARNING: {report.non_text_count - len(report.non_text):,} more non-text document(s); "
-                     f"fix: prepare --drop-binary")
+                     f"fix, unless they are meant to be learnt: prepare --drop-binary")
     documents = sum(s.documents for s in report.splits.values())
     most = report.duplicate_groups[0][0] if report.duplicate_groups else 0
     if report.duplicates > DUPLICATE_SHARE * documents or most >= DUPLICATE_COPIES:
@@ -268,14 +274,23 @@ def removed_line(what: str, removed: Removed) -> str:
     return said + (f": {names}" if names else "")
 
 
-def val_outliers(docs: Sequence[str], val_docs: int, max_doc_chars: int = LONG_DOC_CHARS) -> list[bool]:
-    """Documents that must not be in the val shard: non-text, over max_doc_chars, or alone more than
-    VAL_DOC_SHARE of a val shard of val_docs average documents (and long for this corpus)."""
+def choose_val(docs: Sequence[str], val_docs: int) -> tuple[set[int], int]:
+    """The val documents' indices, and how many outliers were passed over: the last val_docs of the
+    (shuffled) documents that are no outliers. An outlier is non-text, over LONG_DOC_CHARS, or alone
+    more than VAL_DOC_SHARE of the val shard chosen and OUTLIER_MEDIANS times its median document
+    (the report's warning, so a val shard prepared here never earns it): chosen again without it
+    until none is. With none flagged that is the last val_docs, as ordinary corpora always split."""
     lengths = [len(d) for d in docs]
-    val_chars = val_docs * sum(lengths) / len(lengths)
-    share_cap = max(VAL_DOC_SHARE * val_chars, OUTLIER_MEDIANS * statistics.median(lengths))
-    return [n > max_doc_chars or n > share_cap or non_text_reason(d) is not None
-            for n, d in zip(lengths, docs, strict=True)]
+    outlier = [n > LONG_DOC_CHARS or non_text_reason(d) is not None for n, d in zip(lengths, docs, strict=True)]
+    while True:
+        chosen = pick_val(outlier, val_docs)
+        sizes = [lengths[i] for i in chosen]
+        total, floor = sum(sizes), OUTLIER_MEDIANS * statistics.median(sizes)
+        big = [i for i in chosen if not outlier[i] and lengths[i] > VAL_DOC_SHARE * total and lengths[i] > floor]
+        if not big:
+            return chosen, sum(outlier)
+        for i in big:
+            outlier[i] = True
 
 
 def pick_val(outlier: list[bool], val_docs: int) -> set[int]:

@@ -41,13 +41,12 @@ from .corpus_report import (
     VAL_DOC_SHARE,
     Docs,
     cap_long_documents,
+    choose_val,
     corpus_report,
     dedupe_documents,
     drop_non_text,
-    pick_val,
     removed_line,
     report_lines,
-    val_outliers,
     val_share_line,
 )
 from .download import CHUNK_BYTES, download, part_path
@@ -225,11 +224,10 @@ def write_shards(
     groups_per_shard: int = 4,
     val_docs: int | None = None,
     seed: int = 0,
-    max_doc_chars: int = LONG_DOC_CHARS,
 ) -> dict[str, Any]:
     """Shuffle docs (seeded), write train shards then one val shard, then the manifest.
 
-    An outlier (`val_outliers`) that the shuffle puts in the val shard goes to train instead:
+    An outlier (`choose_val`) that the shuffle puts in the val shard goes to train instead:
     val_bpb must measure the corpus, not one PostScript file."""
     if rows_per_group < 1 or groups_per_shard < 1:
         raise ValueError("--rows-per-group and --groups-per-shard must be at least 1")
@@ -240,13 +238,16 @@ def write_shards(
     if not 1 <= val_docs < len(docs):
         raise ValueError(f"need 1 <= val docs < {len(docs)} documents, got {val_docs}")
     random.Random(seed).shuffle(docs)
-    chosen = pick_val(val_outliers(docs, val_docs, max_doc_chars), val_docs)
+    chosen, outliers = choose_val(docs, val_docs)
     train = [d for i, d in enumerate(docs) if i not in chosen]
     val = [d for i, d in enumerate(docs) if i in chosen]
     moved = [len(docs[i]) for i in range(len(docs) - val_docs, len(docs)) if i not in chosen]
     if moved:
         print(f"val shard: {len(moved)} outlier document(s), {sum(moved):,} characters, went to train instead "
-              f"(non-text, over {max_doc_chars:,} characters, or alone over {VAL_DOC_SHARE:.0%} of the val shard)")
+              f"(non-text, over {LONG_DOC_CHARS:,} characters, or alone over {VAL_DOC_SHARE:.0%} of the val shard)")
+    if outliers > 0.05 * len(docs):  # a corpus that is mostly such documents: its val is not like it
+        print(f"val shard: {outliers:,} of {len(docs):,} documents ({outliers / len(docs):.0%}) are kept out of it "
+              f"as outliers: val_bpb measures the rest of the corpus")
     chunks = [train[i : i + per_shard] for i in range(0, len(train), per_shard)] + [val]
 
     out = Path(out)
@@ -298,7 +299,8 @@ def prepare(
         print(removed_line(f"--long-docs {long_docs} ({verb} {max_doc_chars:,} characters)", removed))
     names, texts = [name for name, _ in docs], [text for _, text in docs]
     print("\n".join(report_lines(corpus_report([Docs("all", "", names, texts)], max_doc_chars=max_doc_chars))))
-    manifest = write_shards(texts, out, rows_per_group, groups_per_shard, val_docs, seed, max_doc_chars)
+    # the val pick does not follow --max-doc-chars: a cap given only to see warnings leaves the split alone
+    manifest = write_shards(texts, out, rows_per_group, groups_per_shard, val_docs, seed)
     print(val_share_line(corpus_report(shard_docs(out, ("val",))).splits["val"]))
     return manifest
 
@@ -378,12 +380,21 @@ def fetch(
 # Verify
 
 
+def _is_text(kind: pa.DataType) -> bool:
+    """Strings in any of the layouts a parquet writer picks (polars writes views, pandas may
+    dictionary-encode): the loader reads each as Python strings."""
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind)
+
+
 def schema_problem(schema: pa.Schema) -> str | None:
-    """A shard is exactly one `text` column of strings: what the loader and the tokenizer read."""
-    if schema.names != ["text"]:
-        return f"columns {schema.names}, expected exactly one, 'text'"
+    """A shard has a `text` column of strings: what the loader and the tokenizer read (other
+    columns, an id or a url, are left alone)."""
+    if schema.get_field_index("text") < 0:
+        return f"no 'text' column (columns {schema.names}): the loader reads documents from 'text'"
     kind = schema.field("text").type
-    if kind not in (pa.string(), pa.large_string()):
+    if not _is_text(kind):
         return f"column 'text' is {kind}, expected string"
     return None
 
@@ -528,6 +539,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--tokenizer-dir", type=Path, default=None, help="count tokens per shard with this tokenizer")
     p.add_argument("--no-report", dest="report", action="store_false",
                    help="check only (each node's preflight: the controller has shown the report once)")
+    p.add_argument("--max-doc-chars", type=int, default=LONG_DOC_CHARS,
+                   help=f"the report's cap on a document's length, as prepare's (default {LONG_DOC_CHARS:,})")
+    p.add_argument("--report-file", type=Path, default=None, help="also write the report there")
 
     args = parser.parse_args(argv)
     try:
@@ -539,7 +553,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         elif args.cmd == "fetch":
             m = fetch(args.num_files, args.out, args.base_url, args.val_index, args.timeout, args.retries)
         else:
-            return _verify_cli(args.data_dir, args.tokenizer_dir, args.report)
+            return _verify_cli(args.data_dir, args.tokenizer_dir, args.report, args.max_doc_chars, args.report_file)
     except (FileNotFoundError, ValueError, RuntimeError) as e:
         print(f"data {args.cmd}: {e}", file=sys.stderr)
         return 2
@@ -549,7 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-def _verify_cli(data_dir: Path, tokenizer_dir: Path | None, report: bool) -> int:
+def _verify_cli(data_dir: Path, tokenizer_dir: Path | None, report: bool, max_doc_chars: int,
+                report_file: Path | None) -> int:
     problems = verify(data_dir)
     for line in problems:
         print(line, file=sys.stderr)
@@ -562,7 +577,11 @@ def _verify_cli(data_dir: Path, tokenizer_dir: Path | None, report: bool) -> int
         f"manifest sha256 {manifest_hash(data_dir)}"
     )
     if report:
-        print("\n".join(report_lines(corpus_report(shard_docs(data_dir), tokenizer_dir))))
+        text = "\n".join(report_lines(corpus_report(shard_docs(data_dir), tokenizer_dir, max_doc_chars))) + "\n"
+        print(text, end="")
+        if report_file is not None:  # the dataset role shows it from there until the manifest changes
+            report_file.parent.mkdir(parents=True, exist_ok=True)
+            write_bytes_atomic(report_file, text.encode())
     return 0
 
 

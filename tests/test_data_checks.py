@@ -59,13 +59,22 @@ def test_report_flags_a_document_by_share_below_the_cap() -> None:
     assert "--long-docs crop" in line
 
 
+def test_a_share_warnings_suggested_cap_clears_it() -> None:
+    docs = english_like_docs(3000) + ["A long document all the same. " * 1700]  # 51,000 characters
+    [line] = report_of(docs).warnings
+    cap = int(line.split("--max-doc-chars ")[1].split()[0])
+    cropped, _ = corpus_report.cap_long_documents([(str(i), d) for i, d in enumerate(docs)], cap, "crop")
+    assert report_of([text for _, text in cropped]).warnings == [], cap
+
+
 def test_report_flags_binary_and_non_text_documents() -> None:
     docs = english_like_docs(50) + ["text, then a NUL\x00byte", NUMBERS, "42", "$3,000,000."]
     report = report_of(docs)
     assert report.non_text == [("doc 50", "a NUL byte"), ("doc 51", report.non_text[1][1])]
     assert report.non_text[1][1].startswith("letter ratio 0.00")
     assert report.non_text_count == 2  # too short to judge: "42" is a fine fortune
-    assert "WARNING: doc 50 looks binary or non-text: a NUL byte; fix: prepare --drop-binary" in report.warnings
+    assert ("WARNING: doc 50 looks binary or non-text: a NUL byte; fix, unless it is meant to be learnt: "
+            "prepare --drop-binary") in report.warnings
     assert any(w.startswith("WARNING: doc 51 looks binary or non-text: letter ratio") for w in report.warnings)
 
 
@@ -176,6 +185,24 @@ def test_outliers_go_to_train_not_the_holdout_shard(
     )
 
 
+def test_a_long_document_that_would_dominate_the_chosen_val_shard_goes_to_train_too() -> None:
+    """One giant document leaves for train; the next-longest, small beside it but 29% of the val shard
+    once it is gone, follows it: the warning's rule on the shard chosen, not the corpus's mean."""
+    docs = ["word " * 20] * 1000 + ["x " * 500_000, "a longer paragraph " * 210]
+    docs = [f"{i} {d}" for i, d in enumerate(docs)]
+    chosen, outliers = corpus_report.choose_val(docs, 100)
+    sizes = sorted((len(docs[i]) for i in chosen), reverse=True)
+    assert len(chosen) == 100 and outliers == 2 and sizes[0] < 0.05 * sum(sizes)
+    assert 1000 not in chosen and 1001 not in chosen
+
+
+def test_an_ordinary_corpus_splits_as_before() -> None:
+    """Nothing flagged: the val shard is the shuffle's last documents, in order, as before the report."""
+    docs = english_like_docs(500, seed=7)
+    chosen, outliers = corpus_report.choose_val(docs, 50)
+    assert outliers == 0 and chosen == set(range(450, 500))
+
+
 def test_prepare_prints_the_holdout_shards_largest_share(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = outlier_sources(tmp_path)
     data.prepare([src], tmp_path / "o", rows_per_group=16, val_docs=100)
@@ -210,11 +237,22 @@ def verify_line(data_dir: Path, name: str) -> str:
 
 def test_verify_refuses_a_shard_without_a_text_column(data_copy: Path) -> None:
     replace_shard(data_copy, "shard_00003.parquet", pa.table({"body": ["a document", "another"]}))
-    assert "shard_00003.parquet: columns ['body'], expected exactly one, 'text'" in verify_line(
-        data_copy, "shard_00003.parquet"
-    )
+    assert "shard_00003.parquet: no 'text' column (columns ['body'])" in verify_line(data_copy, "shard_00003.parquet")
     [problem] = data.check_dataset(data_copy, world_size=1)  # the trainer's check reads it from the footer
-    assert "shard_00003.parquet: columns ['body']" in problem
+    assert "shard_00003.parquet: no 'text' column (columns ['body'])" in problem
+
+
+def test_verify_takes_text_in_any_string_layout_beside_other_columns(data_copy: Path) -> None:
+    """polars writes string views, pandas may dictionary-encode, a fetched dataset has ids and urls:
+    the loader reads each of them as strings, so verify and the trainer's check take them."""
+    texts = ["the first document", "the second", "the first document"]
+    shards = {"shard_00001.parquet": pa.table({"text": pa.array(texts, pa.string_view())}),
+              "shard_00002.parquet": pa.table({"text": pa.array(texts).dictionary_encode()}),
+              "shard_00003.parquet": pa.table({"id": [1, 2, 3], "text": texts, "url": ["u", "v", "w"]})}
+    for name, table in shards.items():
+        replace_shard(data_copy, name, table)
+    assert data.verify(data_copy) == [] and data.check_dataset(data_copy, world_size=1) == []
+    assert all(data.read_texts(data_copy, (name, 0)) == texts for name in shards)
 
 
 def test_verify_words_an_empty_and_a_garbage_shard_as_the_trainer_does(data_copy: Path) -> None:
