@@ -59,6 +59,8 @@ FORTUNES_SKIP = frozenset({"art", "ascii-art"})
 # nanochat's pretraining data: ClimbMix, shard_00000 ... shard_06542, the last pinned as val.
 DEFAULT_BASE_URL = "https://huggingface.co/datasets/karpathy/climbmix-400b-shuffle/resolve/main"
 DEFAULT_VAL_INDEX = 6542
+# verify's and the trainer's check's words alike: the same fault reads the same wherever it is found
+EMPTY_SHARD = "empty shard (0 rows); every shard must hold documents"
 
 
 
@@ -409,7 +411,7 @@ def shard_problem(path: Path) -> str | None:
     if (problem := schema_problem(shard.schema_arrow)) is not None:
         return problem
     if shard.metadata.num_rows == 0:
-        return "empty shard (0 rows); every shard must hold documents"
+        return EMPTY_SHARD
     try:
         for group in range(shard.num_row_groups):
             where = f"row group {group}"
@@ -484,7 +486,7 @@ def check_dataset(data_dir: str | Path, world_size: int, digests: dict[str, str]
         if (bad_schema := schema_problem(meta.schema.to_arrow_schema())) is not None:  # the footer's: cheap
             problems.append(f"{path}: {bad_schema}; {fix}")
         elif meta.num_rows == 0:
-            problems.append(f"{path}: empty shard (0 rows); every shard must hold documents; {fix}")
+            problems.append(f"{path}: {EMPTY_SHARD}; {fix}")
         elif rows is not None and meta.num_rows != rows:
             problems.append(f"{path}: {meta.num_rows} rows, {MANIFEST} says {rows}; {fix}")
         groups[name] = meta.num_row_groups

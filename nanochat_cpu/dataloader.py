@@ -368,9 +368,12 @@ class TokenLoader:
         buffer run down until that copy is placed: one that never fits is cropped, a row an epoch."""
         while len(self._buffer) < self.buffer_docs:
             doc = self._current_doc()
-            if doc is None or (self._global_pair(), self.doc_index) in self._buffered:
+            if doc is None:
                 return
-            self._buffer_add([self.epoch, self._global_pair(), self.doc_index], doc, len(doc))
+            pair = self._global_pair()
+            if (pair, self.doc_index) in self._buffered:
+                return
+            self._buffer_add([self.epoch, pair, self.doc_index], doc, len(doc))
             self.doc_index += 1
 
     def _choose(self, room: int) -> int:
@@ -381,28 +384,28 @@ class TokenLoader:
             return 0
         return bisect_left(self._by_length, (self._by_length[fits][0], -1))
 
-    def _best_fit_rows(self) -> list[list[int]] | None:
+    def _best_fit_rows(self) -> list[int] | None:
+        """The next batch's rows, one after another (None: val is used up)."""
         row_len = self.seq_len + 1
-        rows: list[list[int]] = []
+        tokens: list[int] = []
         placements: list[list[tuple[DocRef, int, int]]] = []
         taken: list[tuple[int, DocRef, list[int], int]] = []
         for _ in range(self.batch_size):
-            row: list[int] = []
+            row_end = len(tokens) + row_len
             placements.append([])
-            while len(row) < row_len:
+            while len(tokens) < row_end:
                 self._fill()
                 if not self._buffer:  # val is used up: the last partial batch's documents stay unread
                     for arrival, ref, doc, length in taken:
                         self._buffer_add(ref, doc, length, arrival)
                     return None
-                arrival, ref, doc, length = self._buffer_pop(self._choose(row_len - len(row)))
+                arrival, ref, doc, length = self._buffer_pop(self._choose(row_end - len(tokens)))
                 taken.append((arrival, ref, doc, length))
-                piece = doc[: row_len - len(row)]
-                row.extend(piece)
+                piece = doc[: row_end - len(tokens)]
+                tokens.extend(piece)
                 placements[-1].append((ref, len(piece), length))
-            rows.append(row)
         self.placements = placements
-        return rows
+        return tokens
 
     def __iter__(self) -> TokenLoader:
         return self
@@ -411,15 +414,14 @@ class TokenLoader:
         if self._done:
             raise StopIteration
         if self.packing == "bestfit":
-            rows = self._best_fit_rows()
-            tokens = None if rows is None else [t for row in rows for t in row]
+            tokens = self._best_fit_rows()
         else:
             tokens = self._take(self.batch_size * (self.seq_len + 1))
         if tokens is None:  # val: a last partial batch is dropped
             self._done = True
             raise StopIteration
-        rows_t = torch.tensor(tokens, dtype=torch.long).view(self.batch_size, self.seq_len + 1)
-        return rows_t[:, :-1].contiguous(), rows_t[:, 1:].contiguous()
+        rows = torch.tensor(tokens, dtype=torch.long).view(self.batch_size, self.seq_len + 1)
+        return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
 # ---- what packing costs a corpus -----------------------------------------------------------------
