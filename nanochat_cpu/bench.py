@@ -39,9 +39,9 @@ from .config import TrainConfig  # noqa: E402
 from .dist import init_distributed  # noqa: E402
 from .model import GPT, flops_per_token, model_config_from, parameter_breakdown  # noqa: E402
 from .optim import build_optimizer  # noqa: E402
-from .perf import cpu_model, measure_matmul_peak, peak_rss_mib, reuse_freed_memory, sync  # noqa: E402
+from .perf import cpu_has_native_bf16, cpu_model, measure_matmul_peak, peak_rss_mib, reuse_freed_memory, sync  # noqa: E402
+from .precision import autocast_for, muon_dtype_for  # noqa: E402
 from .shm import make_arena  # noqa: E402
-from .train import autocast_for, resolve_muon_dtype  # noqa: E402
 
 
 class SyntheticBatches:
@@ -80,7 +80,7 @@ def worker(args: argparse.Namespace) -> None:
                                   cfg.window_pattern))
     model.init_weights(0)
     model.to(device)
-    muon_dtype, _ = resolve_muon_dtype(cfg)
+    muon_dtype, _ = muon_dtype_for(cfg.muon_dtype, cfg.device, cpu_has_native_bf16())
     arena, _ = make_arena(args.local_comm, rank, world, device, model)
     opt = build_optimizer(model, cfg, rank, world, muon_dtype, arena)
     fwd = torch.compile(model, dynamic=False) if args.compile == "on" else model

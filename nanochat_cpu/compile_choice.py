@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from .config import cxx_compiler, cxx_name
 from .perf import available_memory_mib, peak_rss_mib
 
 TIMED_STEPS = 3
@@ -47,6 +48,19 @@ COLD_COMPILE_S = 90.0
 PAYBACK = 10  # compile only where the rest of the run is at least 10 compiles long
 MARGIN = 0.02  # compiled must be 2% faster: within that the timings cannot tell them apart
 COMPILED_RSS_FACTOR = 2.2  # compiled peak RSS / eager, measured 2.15 at depth 6, 16,384 tokens a step
+
+
+def resolve_compile(requested: str, device: str) -> tuple[str, str]:
+    """--compile's mode for CompileChoice ("on", "off", or "auto": measured on the run) and why."""
+    if requested != "auto":
+        return requested, f"requested --compile {requested}"
+    if device == "cuda":
+        return "on", "auto: compile pays off on CUDA"
+    if not cxx_compiler():
+        return "off", (f"auto: no C++ compiler ({cxx_name()}) on this host for "
+                       f"torch.compile's CPU code; install g++ to let auto measure it")
+    return "auto", (f"auto: eager steps 2-{1 + TIMED_STEPS} are timed, then compiled ones if the run is long "
+                    f"enough to pay for a compile; the faster runs the rest")
 
 
 def compiled_pays(eager_s: float, compiled_s: float) -> bool:

@@ -205,14 +205,13 @@ def run_input_problems(cfg, world_size: int, first_rank: int) -> list[str]:
 def check_device(device: str) -> tuple[list[str], dict]:
     import torch
 
-    from .config import TrainConfig
     from .perf import cpu_has_native_bf16, physical_cores
-    from .train import resolve_dtype
+    from .precision import compute_dtype
 
     host = socket.gethostname()
     native_bf16 = cpu_has_native_bf16()
     # what --dtype auto picks on this node alone; a run takes fp32 if any rank's CPU lacks bf16
-    dtype, _ = resolve_dtype(TrainConfig(device=device), [] if native_bf16 else [host])
+    dtype, _ = compute_dtype("auto", device, [] if native_bf16 else [host])
     facts = {"torch": torch.__version__, "cuda_available": torch.cuda.is_available(),
              "threads": torch.get_num_threads(), "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
              "physical_cores": physical_cores(), "cpu_native_bf16": native_bf16,

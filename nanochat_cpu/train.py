@@ -22,7 +22,6 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -30,14 +29,12 @@ import torch.distributed as dist
 
 from . import __version__, checkpoint, fingerprint
 from .checkpoint_background import BackgroundCheckpoints
-from .compile_choice import TIMED_STEPS, CompileChoice
+from .compile_choice import CompileChoice, resolve_compile
 from .config import (
     NEVER,
     ConfigError,
     TrainConfig,
     config_hash,
-    cxx_compiler,
-    cxx_name,
     grad_accum_steps,
     host_problems,
     parse_config,
@@ -63,6 +60,7 @@ from .dist import (
 from .model import GPT, flops_per_token, model_config_from, parameter_breakdown
 from .optim import MuonAdamW, build_optimizer
 from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib, reuse_freed_memory, sync
+from .precision import autocast_for, compute_dtype, muon_dtype_for
 from .progress import Progress, StepClock
 from .shm import make_arena
 from .stop import GracefulStop, StopBudget, shutdown_budget_s
@@ -87,61 +85,6 @@ from .sync_strategy import WIRE_DTYPES
 from .tokenizer import Tokenizer
 from .tracking import Tracker
 from .work_split import check_split, choose_split, log_rank_timings
-
-# ---- device truth --------------------------------------------------------------------------------
-
-def resolve_dtype(cfg: TrainConfig, lacking_bf16: list[str]) -> tuple[torch.dtype, str]:
-    """The compute dtype and the reason, from the requested device and the ranks' CPUs only.
-
-    `lacking_bf16` names the ranks (`rank r@host`) whose CPU has no native bf16. On CPU, auto
-    chooses bf16 autocast only when that list is empty: without AVX512-BF16 or AMX, bf16 is
-    emulated and slower than fp32, and one rule for every rank keeps the ranks' arithmetic alike.
-    A GPU that happens to be present plays no part.
-    """
-    if cfg.dtype == "float32":
-        return torch.float32, "requested --dtype float32"
-    if cfg.dtype == "bfloat16":
-        return torch.bfloat16, "requested --dtype bfloat16"
-    if cfg.device == "cuda":
-        return torch.bfloat16, "auto: --device cuda trains in bf16 autocast"
-    if lacking_bf16:
-        verb = "lacks" if len(lacking_bf16) == 1 else "lack"
-        return torch.float32, (f"auto: fp32 because {', '.join(lacking_bf16)} {verb} native bf16 "
-                               f"(avx512_bf16/amx_bf16); bf16 is auto only where every rank's CPU has it")
-    return torch.bfloat16, ("auto: every rank's CPU has native bf16 (avx512_bf16/amx_bf16): bf16 autocast, "
-                            "fp32 weights and optimizer; --dtype float32 to opt out")
-
-
-def resolve_muon_dtype(cfg: TrainConfig) -> tuple[torch.dtype, str]:
-    if cfg.muon_dtype == "float32":
-        return torch.float32, "requested"
-    if cfg.muon_dtype == "bfloat16":
-        return torch.bfloat16, "requested"
-    if cfg.device == "cuda":
-        return torch.bfloat16, "auto: cuda"
-    if cpu_has_native_bf16():
-        return torch.bfloat16, "auto: CPU has native bf16 (avx512_bf16/amx), bf16 matmuls ~2x fp32"
-    return torch.float32, "auto: CPU lacks native bf16"
-
-
-def resolve_compile(cfg: TrainConfig) -> tuple[str, str]:
-    """--compile's mode for CompileChoice ("on", "off", or "auto": measured on the run) and why."""
-    if cfg.compile != "auto":
-        return cfg.compile, f"requested --compile {cfg.compile}"
-    if cfg.device == "cuda":
-        return "on", "auto: compile pays off on CUDA"
-    if not cxx_compiler():
-        return "off", (f"auto: no C++ compiler ({cxx_name()}) on this host for "
-                       f"torch.compile's CPU code; install g++ to let auto measure it")
-    return "auto", (f"auto: eager steps 2-{1 + TIMED_STEPS} are timed, then compiled ones if the run is long "
-                    f"enough to pay for a compile; the faster runs the rest")
-
-
-def autocast_for(device: torch.device, dtype: torch.dtype):
-    if dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
-
 
 # ---- schedule ------------------------------------------------------------------------------------
 
@@ -663,8 +606,8 @@ def run(cfg: TrainConfig) -> int:
         validate(cfg, world_size)
     except ConfigError as exc:
         fail(None, EXIT_CONFIG, str(exc))
-    muon_dtype, muon_why = resolve_muon_dtype(cfg)
-    compile_mode, compile_why = resolve_compile(cfg)
+    muon_dtype, muon_why = muon_dtype_for(cfg.muon_dtype, cfg.device, cpu_has_native_bf16())
+    compile_mode, compile_why = resolve_compile(cfg.compile, cfg.device)
     torch.manual_seed(cfg.seed)
     problems, tokenizer = host_inputs(cfg)
     if problems and world_size == 1:
@@ -684,7 +627,7 @@ def run(cfg: TrainConfig) -> int:
     if compile_mode == "auto" and unmeasured:  # the measurement is a collective: every rank or none
         compile_mode, compile_why = "off", (f"auto: eager, as {', '.join(unmeasured[:3])} will not time "
                                             f"compiled steps, and auto's ranks decide together")
-    ctx_dtype, dtype_why = resolve_dtype(cfg, lacking_bf16)
+    ctx_dtype, dtype_why = compute_dtype(cfg.dtype, cfg.device, lacking_bf16)
     banner(env, cfg, dtype_why, muon_why, compile_why, ctx_dtype, muon_dtype, compile_mode, allocator)
     if problems:
         fail(env, EXIT_CONFIG, "bad inputs, no rank starts: " + " | ".join(problems))

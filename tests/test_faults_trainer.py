@@ -27,7 +27,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanochat_cpu import checkpoint, config, data, tokenizer, train
+from nanochat_cpu import checkpoint, config, data, tokenizer
+from nanochat_cpu.compile_choice import resolve_compile
 from tests.test_train_runs import finish, losses, read_until, tiny_flags, train_target
 from tests.torchrun_helpers import (
     REPO,
@@ -456,10 +457,11 @@ def test_compile_on_without_a_cxx_compiler_is_named_and_auto_stays_eager(tiny_da
     assert "--compile on: no C++ compiler (no-such-compiler) on this host" in problem and "install g++" in problem
     auto = config.parse_config(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / "run", compile="auto"))
     assert config.host_problems(auto) == []
-    assert train.resolve_compile(auto) == ("off", "auto: no C++ compiler (no-such-compiler) on this host for "
-                                                  "torch.compile's CPU code; install g++ to let auto measure it")
+    assert resolve_compile(auto.compile, auto.device) == (
+        "off", "auto: no C++ compiler (no-such-compiler) on this host for torch.compile's CPU code; install g++ to "
+               "let auto measure it")
     monkeypatch.delenv("CXX")
-    assert train.resolve_compile(auto)[0] == ("auto" if shutil.which("g++") else "off")
+    assert resolve_compile(auto.compile, auto.device)[0] == ("auto" if shutil.which("g++") else "off")
 
 
 def test_bad_flag_stops_every_rank_before_rendezvous_and_touches_no_checkpoint(trained_run, tiny_data_dir,
