@@ -49,6 +49,7 @@ from .data import row_group_pairs
 from .dataloader import carry_over_position, packing_mismatch
 from .dist import EXIT_CONFIG, DistEnv, Watchdog, agree_to_fail, fail, log
 from .optim import merge_optimizer_states
+from .run_state import SAVED_KEY, RunState
 from .sync_diloco import merge_outer_states
 
 if TYPE_CHECKING:
@@ -402,14 +403,14 @@ class Snapshot:
     rank_state: bytes
     model_state: dict | None  # None on a rank that writes no disk
     model_cfg: dict  # the model's shape, for the marker
-    extra: dict
+    state: RunState
 
 
 def take_snapshot(env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, loader: TokenLoader, step: int,
-                  extra: dict, copy_weights: bool) -> Snapshot:
+                  state: RunState, copy_weights: bool) -> Snapshot:
     buf = io.BytesIO()
     torch.save(on_cpu({"step": step, "optimizer": opt.state_dict(), "loader": loader.state_dict(),
-                       "rng": torch.get_rng_state(), "extra": extra}), buf)
+                       "rng": torch.get_rng_state(), SAVED_KEY: state.to_saved()}), buf)
     data = buf.getvalue()
     del buf  # its copy of the bytes: the state is not held twice through the exchange
     weights = None
@@ -417,14 +418,14 @@ def take_snapshot(env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, loader
         weights = model.state_dict()
         if copy_weights:
             weights = {k: v.detach().to("cpu", copy=True) for k, v in weights.items()}
-    return Snapshot(step, data, weights, dataclasses.asdict(model.cfg), extra)
+    return Snapshot(step, data, weights, dataclasses.asdict(model.cfg), state)
 
 
 def write_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, snap: Snapshot, watchdog: Watchdog,
                      how: str = "") -> float:
     """Every rank's state to every disk, then sealed on every disk once all of them hold it;
     collective. `how` ends the log line (the background's note). Returns the seconds it took."""
-    t0, step, extra = time.perf_counter(), snap.step, snap.extra
+    t0, step = time.perf_counter(), snap.step
     # every disk gets every rank's state: a node that is wiped, added or alone can still resume
     rank_files, crossed = gather_states(env, disks, snap.rank_state, watchdog, step)
     snap.rank_state = b""
@@ -447,13 +448,11 @@ def write_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, snap: Snapsho
     fail_together(env, disks, watchdog, "checkpoint", step, error)
     if disks.writer(env.rank):
         # the model's shape and its tokenizer: what sampling needs besides model.pt, wherever it is copied
-        sampling = {"model": snap.model_cfg, "tokenizer_sha256": extra["tokenizer_sha256"],
+        sampling = {"model": snap.model_cfg, "tokenizer_sha256": snap.state.tokenizer_sha256,
                     "tokenizer_dir": os.path.abspath(cfg.tokenizer_dir)}
-        # what resume must know before it reads a file: how the run steps, and what auto chose
-        stepping = {"local_steps": "outer" in extra, **({"auto_choice": extra["auto_choice"]}
-                                                        if "auto_choice" in extra else {})}
         with watchdog.disk(f"sealing checkpoint step {step} in {step_dir(cfg.out_dir, step)}", step, stalled):
-            mark_complete(cfg.out_dir, step, {**disks.layout(env.hosts or [env.host]), **sampling, **stepping},
+            mark_complete(cfg.out_dir, step, {**disks.layout(env.hosts or [env.host]), **sampling,
+                                               **snap.state.marker_fields()},
                           cfg.keep_checkpoints)
     took = time.perf_counter() - t0
     log(env, f"checkpoint step {step} saved to {step_dir(cfg.out_dir, step)} in {took:.2f}s{crossed}{how}")
@@ -461,21 +460,22 @@ def write_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, snap: Snapsho
 
 
 def save_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW,
-                    loader: TokenLoader, step: int, watchdog: Watchdog, extra: dict) -> float:
+                    loader: TokenLoader, step: int, watchdog: Watchdog, state: RunState) -> float:
     """A checkpoint written while every rank waits for it; returns the seconds it took."""
-    snap = take_snapshot(env, disks, model, opt, loader, step, extra, False)
+    snap = take_snapshot(env, disks, model, opt, loader, step, state, False)
     return write_checkpoint(cfg, env, disks, snap, watchdog)
 
 
 START_AFRESH = "start afresh with another --run-name or --out-dir"
 
 
-def tokenizer_refusal(cfg: TrainConfig, where: str, saved: dict, tokenizer_sha: str, vocab_size: int) -> str | None:
-    """Why the checkpoint at `where` (its saved `extra`) must not be resumed with this tokenizer."""
-    if saved.get("tokenizer_sha256", tokenizer_sha) == tokenizer_sha:
+def tokenizer_refusal(tokenizer_dir: str, where: str, saved: RunState, tokenizer_sha: str,
+                      vocab_size: int) -> str | None:
+    """Why the checkpoint at `where` (its run state) must not be resumed with this tokenizer."""
+    if saved.tokenizer_sha256 in (None, tokenizer_sha):
         return None
-    return (f"checkpoint {where} was trained with another tokenizer (sha256 {saved['tokenizer_sha256'][:16]}, "
-            f"vocab {saved.get('vocab_size', '?')}) than --tokenizer-dir={cfg.tokenizer_dir} "
+    return (f"checkpoint {where} was trained with another tokenizer (sha256 {saved.tokenizer_sha256[:16]}, "
+            f"vocab {saved.vocab_size or '?'}) than --tokenizer-dir={tokenizer_dir} "
             f"(sha256 {tokenizer_sha[:16]}, vocab {vocab_size}): its token ids mean other strings. Fix: push the "
             f"run's original tokenizer again (site.yml), or {START_AFRESH}")
 
@@ -593,11 +593,11 @@ def write_restored_file(out_dir: str, step: int, name: str, data: bytes | bytear
     return None
 
 
-def sync_refusal(where: str, saved: dict, local_steps: bool) -> str | None:
-    """Why a checkpoint (its saved `extra`) must not be resumed by this kind of sync. Local steps go
+def sync_refusal(where: str, saved: RunState, local_steps: bool) -> str | None:
+    """Why a checkpoint (its run state) must not be resumed by this kind of sync. Local steps go
     on from a synchronous checkpoint (every node continues the whole optimizer state: the end of
     the synchronous warm-up); the reverse would have to pick one node's inner state, so it is refused."""
-    if "outer" not in saved or local_steps:
+    if not saved.local_steps or local_steps:
         return None
     return (f"checkpoint {where} was trained with local steps (--sync-every above 1 or auto, past its "
             f"--sync-warmup-ratio), this run asks for every step synchronous (--sync-every 1, or a step still "
@@ -614,8 +614,8 @@ def ranks_by_node(node_of_rank: list[int]) -> list[list[int]]:
 
 
 def load_states(cfg: TrainConfig, env: DistEnv, disks: Disks, step: int, marker: dict, local_steps: bool,
-                strategy: str) -> tuple[dict, dict | None, str]:
-    """This rank's optimizer state, loader position, RNG and `extra` from checkpoint `step`, and how it
+                strategy: str) -> tuple[dict, RunState, dict | None, str]:
+    """This rank's optimizer state and RNG, the run state, the loader position from checkpoint `step`, and how it
     was laid out. The same layout, stepped the same way, loads the rank's own file as it was saved
     (the resumed run repeats the uninterrupted one exactly); another merges every saved rank's state
     and takes its part."""
@@ -628,63 +628,67 @@ def load_states(cfg: TrainConfig, env: DistEnv, disks: Disks, step: int, marker:
         state = load_rank_state(cfg.out_dir, step, env.rank)
         # the same world may step another way (shared memory now missing, or back; local steps after
         # the synchronous warm-up): then merge
-        same_kind = ("outer" in state["extra"]) == local_steps
+        run_state = RunState.of_rank_file(state)
+        same_kind = run_state.local_steps == local_steps
         if "world_size" not in marker or (same_kind and state["optimizer"].get("strategy", strategy) == strategy):
-            return state, state["loader"], f"resumed from checkpoint step {step} ({where}), {wrote}"
+            return state, run_state, state["loader"], f"resumed from checkpoint step {step} ({where}), {wrote}"
     saved = [load_rank_state(cfg.out_dir, step, r) for r in range(marker["world_size"])]
     state = dict(saved[min(env.rank, len(saved) - 1)])
     # the work split is the ranks' own: kept where the same ranks on the same hosts merge only to
     # step another way (local steps after synchronous ones), measured anew for another layout; and
     # checked again against the inner steps, whose speeds differ from synchronous steps'
     same_ranks = all(marker.get(k) == now[k] for k in ("world_size", "node_of_rank", "hosts"))
-    state["extra"] = {k: v for k, v in saved[0]["extra"].items() if k != "rank_batch_sizes" or same_ranks}
-    if local_steps and "outer" not in state["extra"]:
-        state["extra"]["split_settled"] = False
-    if "outer" in state["extra"] and not local_steps:
-        return state, None, ""  # local steps continued synchronously: resume refuses it, naming both
+    run_state = RunState.of_rank_file(saved[0])
+    if not same_ranks:
+        run_state.rank_batch_sizes = None
+    if local_steps and not run_state.local_steps:
+        run_state.split_settled = False
+    if run_state.local_steps and not local_steps:
+        return state, run_state, None, ""  # local steps continued synchronously: resume refuses it, naming both
     # the ranks whose optimizer this rank's continues: all of them (synchronous steps, or the local
     # steps that follow them: every node continues the whole state), or one old node's
     stepped = list(range(len(saved)))
-    if "outer" in state["extra"]:  # a new node continues an old one's (its index's, or node 0's)
+    if run_state.local_steps:  # a new node continues an old one's (its index's, or node 0's)
         old, new = ranks_by_node(marker["node_of_rank"]), ranks_by_node(now["node_of_rank"])
         index = next(i for i, ranks in enumerate(new) if env.rank in ranks)
         stepped = old[index] if index < len(old) else old[0]
-        state["extra"]["outer"] = merge_outer_states([saved[ranks[0]]["extra"]["outer"] for ranks in old])
+        run_state.outer = merge_outer_states([RunState.of_rank_file(saved[ranks[0]]).outer for ranks in old])
     state["optimizer"] = merge_optimizer_states([saved[r]["optimizer"] for r in stepped])
     loader = carry_over_position([s["loader"] for s in saved], env.rank, env.world_size,
                                  len(row_group_pairs(cfg.data_dir, "train")))
-    return state, loader, f"resumed step {step}, {wrote}, re-sharded to {env.world_size} ranks"
+    return state, run_state, loader, f"resumed step {step}, {wrote}, re-sharded to {env.world_size} ranks"
 
 
 def load_into(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, step: int, marker: dict,
-              local_steps: bool, tokenizer_sha: str, vocab_size: int) -> tuple[str | None, dict | None, dict, str]:
+              local_steps: bool, tokenizer_sha: str, vocab_size: int,
+              ) -> tuple[str | None, dict | None, RunState, str]:
     """Checkpoint `step` into model, opt and the RNG: (why it cannot be, or None; the loader's
-    position; the saved `extra`; the line that says where it came from)."""
+    position; the run state; the line that says where it came from)."""
     where = step_dir(cfg.out_dir, step)
     fix = f"resume from an older checkpoint by deleting {where} on every node, or {START_AFRESH}"
     try:
-        rank_state, loader_state, said = load_states(cfg, env, disks, step, marker, local_steps, opt.sync.name)
+        rank_state, saved, loader_state, said = load_states(cfg, env, disks, step, marker, local_steps,
+                                                            opt.sync.name)
         model_state = load_model_state(cfg.out_dir, step, env.device)
     except Exception as exc:  # noqa: BLE001 - unreadable or unfitting files: name them instead of a traceback
-        return f"checkpoint {where} cannot be resumed ({type(exc).__name__}: {exc}); {fix}", None, {}, ""
-    extra = rank_state.get("extra", {})
-    refusal = tokenizer_refusal(cfg, where, extra, tokenizer_sha, vocab_size) or sync_refusal(where, extra,
-                                                                                             local_steps)
+        return f"checkpoint {where} cannot be resumed ({type(exc).__name__}: {exc}); {fix}", None, RunState(), ""
+    refusal = (tokenizer_refusal(cfg.tokenizer_dir, where, saved, tokenizer_sha, vocab_size)
+               or sync_refusal(where, saved, local_steps))
     packing = packing_mismatch(loader_state, cfg.packing) if loader_state is not None else None
     refusal = refusal or (f"checkpoint {where}: {packing}" if packing else None)
     if refusal:
-        return refusal, None, {}, ""
+        return refusal, None, RunState(), ""
     try:
         model.load_state_dict(model_state)
     except RuntimeError as exc:
         return (f"checkpoint {where} does not fit this model (depth {cfg.depth}, vocab {vocab_size}): "
-                f"{str(exc).splitlines()[-1].strip()}; {fix}"), None, {}, ""
+                f"{str(exc).splitlines()[-1].strip()}; {fix}"), None, RunState(), ""
     try:
         opt.load_state_dict(rank_state["optimizer"])
     except ValueError as exc:
-        return f"checkpoint {where}: {exc}", None, {}, ""
+        return f"checkpoint {where}: {exc}", None, RunState(), ""
     torch.set_rng_state(rank_state["rng"])
-    return None, loader_state, extra, said
+    return None, loader_state, saved, said
 
 
 def find_resume_step(cfg: TrainConfig, env: DistEnv, disks: Disks,
@@ -697,30 +701,30 @@ def find_resume_step(cfg: TrainConfig, env: DistEnv, disks: Disks,
 
 def load_checkpoint(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, step: int,
                     everyone: list[dict[int, dict]], tokenizer_sha: str, vocab_size: int, watchdog: Watchdog,
-                    local_steps: bool) -> tuple[dict | None, dict, str]:
+                    local_steps: bool) -> tuple[dict | None, RunState, str]:
     """Checkpoint `step` into model, opt and the RNG, restoring it first to the disks that lack it:
-    (the loader's position, the saved `extra`, the line that says where it came from). Every rank
+    (the loader's position, the run state, the line that says where it came from). Every rank
     learns whether every rank could load it: one that cannot stops them all."""
     if env.distributed:
         restore_missing(cfg, env, disks, step, everyone, watchdog)
     marker = next(steps[step] for steps in everyone if step in steps)
-    problem, loader_state, extra, said = load_into(cfg, env, disks, model, opt, step, marker, local_steps,
+    problem, loader_state, saved, said = load_into(cfg, env, disks, model, opt, step, marker, local_steps,
                                                    tokenizer_sha, vocab_size)
     fail_together(env, disks, watchdog, "resume", 0, problem)
-    return loader_state, extra, said
+    return loader_state, saved, said
 
 
 def resume(cfg: TrainConfig, env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, found: tuple[int | None, list],
            tokenizer_sha: str, vocab_size: int, watchdog: Watchdog,
-           local_steps: bool = False) -> tuple[int, dict | None, dict]:
+           local_steps: bool = False) -> tuple[int, dict | None, RunState]:
     """Load `found` (find_resume_step's) into model, opt and the RNG, refusing a checkpoint that does
-    not fit; returns (the step to start from, the loader's position, the saved `extra`). With local
-    steps a local checkpoint is from an outer boundary: the model is theta_global, and `extra` holds
-    the outer momentum and the schedule (train.setup_local_steps)."""
+    not fit; returns (the step to start from, the loader's position, the run state: empty for a
+    fresh run). With local steps a local checkpoint is from an outer boundary: the model is
+    theta_global, and the run state holds the outer momentum and the schedule."""
     resume_step, everyone = found
     if resume_step is None:
-        return 0, None, {}
-    loader_state, extra, said = load_checkpoint(cfg, env, disks, model, opt, resume_step, everyone, tokenizer_sha,
+        return 0, None, RunState()
+    loader_state, saved, said = load_checkpoint(cfg, env, disks, model, opt, resume_step, everyone, tokenizer_sha,
                                                 vocab_size, watchdog, local_steps)
     log(env, said)
-    return resume_step, loader_state, extra
+    return resume_step, loader_state, saved

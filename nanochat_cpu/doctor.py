@@ -162,6 +162,7 @@ def run_input_problems(cfg, world_size: int, first_rank: int) -> list[str]:
     from . import checkpoint
     from .data import check_dataset, sha256_file
     from .model import GPT, model_config_from
+    from .run_state import RunState
     from .tokenizer import Tokenizer
 
     problems = [f"--data-dir={cfg.data_dir}: {p}" for p in check_dataset(cfg.data_dir, world_size)]
@@ -186,7 +187,8 @@ def run_input_problems(cfg, world_size: int, first_rank: int) -> list[str]:
         return problems + [f"checkpoint {where} is unreadable ({type(exc).__name__}: {exc}); delete it to resume "
                            f"from the one before"]
     sha = sha256_file(os.path.join(cfg.tokenizer_dir, "tokenizer.json"))
-    refusal = checkpoint.tokenizer_refusal(cfg, where, saved.get("extra", {}), sha, tok.vocab_size)
+    refusal = checkpoint.tokenizer_refusal(cfg.tokenizer_dir, where, RunState.of_rank_file(saved), sha,
+                                           tok.vocab_size)
     if refusal:
         return problems + [refusal]
     with torch.device("meta"):  # shapes only, no memory

@@ -62,6 +62,7 @@ from .optim import MuonAdamW, build_optimizer
 from .perf import cpu_has_native_bf16, measure_matmul_peak, peak_rss_mib, reuse_freed_memory, sync
 from .precision import autocast_for, compute_dtype, muon_dtype_for
 from .progress import Progress, StepClock
+from .run_state import AutoChoice, RunState, SavedSchedule, stepping_in_marker
 from .shm import make_arena
 from .stop import GracefulStop, StopBudget, shutdown_budget_s
 from .sync_diloco import (
@@ -255,7 +256,7 @@ def overlap_line(cfg: TrainConfig, overlaps: bool | None) -> str:
     return f"; every sync blocks{chosen}" if chosen and cfg.device != "cuda" else ""
 
 
-def overlap_asked(cfg: TrainConfig, nodes: Nodes, saved: dict | None = None) -> bool | None:
+def overlap_asked(cfg: TrainConfig, nodes: Nodes, saved: SavedSchedule | None = None) -> bool | None:
     """Whether the outer syncs cross in the background: None where --outer-overlap auto decides at
     the next outer sync (`choose_overlap`). Resumed (`saved`: the checkpoint's sync_schedule), auto
     keeps what it chose before; a run told on or off before chooses anew."""
@@ -263,35 +264,36 @@ def overlap_asked(cfg: TrainConfig, nodes: Nodes, saved: dict | None = None) -> 
         return False
     if cfg.outer_overlap == "on":
         return True
-    return (saved or {}).get("overlap")
+    return saved.overlap if saved else None
 
 
 def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW, nodes: Nodes | None,
-                      sizes: list[int], extra: dict, start: int) -> tuple[DiLoCo | None, OuterSchedule]:
+                      sizes: list[int], saved: RunState, start: int) -> tuple[DiLoCo | None, OuterSchedule]:
     """The outer optimizer (None: every step synchronous) and its boundaries from step `start` on,
-    resumed from `extra`."""
+    resumed from the `saved` run state."""
     if nodes is None:
         return None, OuterSchedule(1, 1, cfg.num_iterations)
     share = node_token_share(nodes, sizes)
     diloco = DiLoCo(model, nodes, share, cfg.outer_lr, cfg.outer_momentum, WIRE_DTYPES[cfg.grad_comm_dtype],
                     WIRE_DTYPES[cfg.param_comm_dtype], shared_params=opt.arena is not None)
-    if "outer" in extra:
+    if saved.outer is not None:
         try:
-            diloco.load_state_dict(extra["outer"])
+            diloco.load_state_dict(saved.outer)
         except ValueError as exc:
             fail(env, EXIT_CONFIG, str(exc))
     every = sync_every_steps(cfg)
-    saved = extra.get("sync_schedule")
-    if every is None and saved:  # auto, resumed: the H it chose
-        schedule = OuterSchedule(saved["first"], saved["every"], cfg.num_iterations, start)
+    chosen = saved.sync_schedule
+    if every is None and chosen:  # auto, resumed: the H it chose
+        schedule = OuterSchedule(chosen.first, chosen.every, cfg.num_iterations, start)
     elif every is None:  # auto: H from the first outer sync's timing, after a phase the warm-up's wire chose
-        first = (extra.get("auto_choice") or {}).get("first_phase", AUTO_FIRST_PHASE)
+        first = saved.auto_choice.first_phase if saved.auto_choice else None
+        first = AUTO_FIRST_PHASE if first is None else first
         schedule = OuterSchedule(start + first, None, cfg.num_iterations, start)
     else:
         schedule = OuterSchedule(start + every, every, cfg.num_iterations, start)
-    diloco.overlaps = overlap_asked(cfg, nodes, saved)
-    if diloco.overlaps and saved:  # resumed: the landing its first sync timed (None: not timed yet)
-        schedule.land_after = saved.get("land_after")
+    diloco.overlaps = overlap_asked(cfg, nodes, chosen)
+    if diloco.overlaps and chosen:  # resumed: the landing its first sync timed (None: not timed yet)
+        schedule.land_after = chosen.land_after
     average = " (a plain average)" if (cfg.outer_lr, cfg.outer_momentum) == (1, 0) else ""
     log(env, f"local steps: node {nodes.index} of {nodes.count} (ranks {nodes.ranks[nodes.index]}), "
              f"{share:.1%} of each inner step's tokens; outer sync every "
@@ -303,11 +305,11 @@ def setup_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, opt: MuonAdamW
 
 
 def choose_after_timed_steps(cfg: TrainConfig, env: DistEnv, nodes: Nodes, warm: PhaseTimes, step: int,
-                             warm_until: int, watchdog: Watchdog, before_resplit: bool) -> dict | None:
-    """auto, after timing the synchronous warm-up's first steps: {"synchronous": whether every step
-    stays synchronous, "why": ...}, and where local steps follow, "warm_until": the step the warm-up
-    ends at, "asked_until": the end --sync-warmup-ratio asked for, and "first_phase": the inner
-    steps before the first outer sync. Every rank decides alike: from
+                             warm_until: int, watchdog: Watchdog, before_resplit: bool) -> AutoChoice | None:
+    """auto, after timing the synchronous warm-up's first steps: whether every step stays
+    synchronous, and where local steps follow, the step the warm-up ends at, the end
+    --sync-warmup-ratio asked for, and the inner steps before the first outer sync (AutoChoice's
+    fields). Every rank decides alike: from
     the smallest wire share and wire wait any rank saw (the last rank to arrive: the wire's own) and
     the largest step but its waits (the slowest rank's work).
 
@@ -330,19 +332,19 @@ def choose_after_timed_steps(cfg: TrainConfig, env: DistEnv, nodes: Nodes, warm:
         log(env, f"sync-every auto: timed before the work split changed ({why}); timing the new split")
         return None
     log(env, f"sync-every auto: {why}")
-    choice = {"synchronous": keep, "why": why}
+    choice = AutoChoice(keep, why)
     if not keep and share >= 0:
-        choice["warm_until"], cap_why = warm_up_end(wire_s, work_s, cfg.num_iterations, warm_until, step)
-        choice["asked_until"] = sync_warmup_steps(cfg)  # a restart that asks for fewer gets fewer
+        choice.warm_until, cap_why = warm_up_end(wire_s, work_s, cfg.num_iterations, warm_until, step)
+        choice.asked_until = sync_warmup_steps(cfg)  # a restart that asks for fewer gets fewer
         log(env, f"sync-every auto: {cap_why}")
-        choice["first_phase"], first_why = first_outer_phase(wire_s, work_s, max(map(len, nodes.ranks)),
+        choice.first_phase, first_why = first_outer_phase(wire_s, work_s, max(map(len, nodes.ranks)),
                                                              overlap=overlap_asked(cfg, nodes))
         log(env, f"sync-every auto: {first_why}")
     return choice
 
 
 def auto_on_resume(cfg: TrainConfig, env: DistEnv, found: tuple[int | None, list[dict[int, dict]]],
-                   warm_until: int) -> tuple[dict | None, int]:
+                   warm_until: int) -> tuple[AutoChoice | None, int]:
     """--sync-every auto: the choice the run made before the checkpoint being resumed (its COMPLETE
     marker holds it: the optimizer is built before the checkpoint's files are read), and the step
     the synchronous steps go to: the end auto chose, or the restart's --sync-warmup-ratio where that
@@ -352,15 +354,15 @@ def auto_on_resume(cfg: TrainConfig, env: DistEnv, found: tuple[int | None, list
     --sync-every 1, or by an older version) is timed anew from where it resumes."""
     step, everyone = found
     marker = next(steps[step] for steps in everyone if step in steps) if step is not None else {}
-    if "auto_choice" in marker:
-        choice = marker["auto_choice"]
-        log(env, f"sync-every auto: {'every step stays synchronous' if choice['synchronous'] else 'local steps'}, "
-                 f"as chosen before checkpoint {step} ({choice['why']})")
-        end = choice.get("warm_until", warm_until)
-        if warm_until < choice.get("asked_until", warm_until):  # the restart asks for a shorter warm-up
+    local_steps, choice = stepping_in_marker(marker)
+    if choice is not None:
+        log(env, f"sync-every auto: {'every step stays synchronous' if choice.synchronous else 'local steps'}, "
+                 f"as chosen before checkpoint {step} ({choice.why})")
+        end = warm_until if choice.warm_until is None else choice.warm_until
+        if choice.asked_until is not None and warm_until < choice.asked_until:  # the restart asks for a shorter warm-up
             end = min(end, warm_until)
         return choice, end
-    if marker.get("local_steps") or warm_until == 0:  # local steps already, or asked for from the first step
+    if local_steps or warm_until == 0:  # local steps already, or asked for from the first step
         return None, warm_until
     start = step or 0
     timed_until = max(warm_until, min(start + AUTO_TIMED_STEPS + 1, cfg.num_iterations))
@@ -378,11 +380,11 @@ def start_local_steps(cfg: TrainConfig, env: DistEnv, model: GPT, muon_dtype: to
     rank's part of it, so nothing crosses the wire), and the inner phases begin."""
     opt = setup_optimizer(cfg, env, model, muon_dtype, watchdog, nodes)
     everyone = checkpoint.survey(cfg, env, disks, watchdog)
-    _, extra, _ = checkpoint.load_checkpoint(cfg, env, disks, model, opt, step, everyone, tokenizer_sha,
+    _, saved, _ = checkpoint.load_checkpoint(cfg, env, disks, model, opt, step, everyone, tokenizer_sha,
                                              vocab_size, watchdog, local_steps=True)
     log(env, f"synchronous warm-up done at step {step} (--sync-warmup-ratio {cfg.sync_warmup_ratio}): every node "
              f"continues the optimizer state of checkpoint {checkpoint.step_dir(cfg.out_dir, step)}")
-    diloco, schedule = setup_local_steps(cfg, env, model, opt, nodes, sizes, extra, step)
+    diloco, schedule = setup_local_steps(cfg, env, model, opt, nodes, sizes, saved, step)
     return opt, diloco, schedule
 
 
@@ -621,7 +623,7 @@ def run(cfg: TrainConfig) -> int:
     watchdog = Watchdog(env, cfg.collective_timeout + WATCHDOG_GRACE_S)
     stop = GracefulStop(env)
     stop_budget = StopBudget(shutdown_budget_s())
-    saved: tuple[int, float] | None = None  # the last checkpoint every rank waited for: its step, seconds
+    waited: tuple[int, float] | None = None  # the last checkpoint every rank waited for: its step, seconds
     problems, lacking_bf16, unmeasured = gather_host_facts(env, watchdog, problems, cpu_has_native_bf16(),
                                                            compile_mode)
     if compile_mode == "auto" and unmeasured:  # the measurement is a collective: every rank or none
@@ -647,22 +649,22 @@ def run(cfg: TrainConfig) -> int:
     auto_choice = None  # auto's choice once it timed the warm-up: {"synchronous": ..., "why": ...[, "warm_until"]}
     if nodes and sync_every_steps(cfg) is None:
         auto_choice, warm_until = auto_on_resume(cfg, env, found, warm_until)
-        if auto_choice and auto_choice["synchronous"]:
+        if auto_choice and auto_choice.synchronous:
             nodes, warm_until = None, 0
     local_now = nodes is not None and (found[0] or 0) >= warm_until
     opt = setup_optimizer(cfg, env, model, muon_dtype, watchdog, nodes if local_now else None)
     fpt = flops_per_token(model)
     if env.master:
         log_parameters(env, cfg, model, fpt)
-    start_step, loader_state, extra = checkpoint.resume(cfg, env, disks, model, opt, found, tokenizer_sha,
+    start_step, loader_state, saved = checkpoint.resume(cfg, env, disks, model, opt, found, tokenizer_sha,
                                                         tokenizer.vocab_size, watchdog, local_steps=local_now)
 
     # ---- work split, data, tracking --------------------------------------------------------------
     ctx = autocast_for(env.device, ctx_dtype)
-    sizes, fixed_rows = choose_split(cfg, env, model, ctx, watchdog, extra)
+    sizes, fixed_rows = choose_split(cfg, env, model, ctx, watchdog, saved.rank_batch_sizes, saved.split_fixed_rows)
     # a split the run already checked against its steps stays when it resumes: the redone steps then
     # repeat their losses (a new split sums the rows another way, and the curve drifts from there)
-    split_settled = sizes == extra.get("rank_batch_sizes") and bool(extra.get("split_settled"))
+    split_settled = sizes == saved.rank_batch_sizes and saved.split_settled
     accum = grad_accum_steps(cfg, sizes)
     if env.master:
         log(env, f"batch: {cfg.total_batch_size:,} tokens/step = {accum} micro-steps x rows {sizes} x "
@@ -673,19 +675,19 @@ def run(cfg: TrainConfig) -> int:
     # the nodes' collectives)
     compiling = CompileChoice(model, compile_mode, compile_why, cfg.num_iterations, opt.group, opt.world_size > 1,
                               ranks_on_host=env.hosts.count(env.host) if env.hosts else 1)
-    resumed_choice = compiling.resume(extra.get("compile"))
+    resumed_choice = compiling.resume(saved.compile)
     if resumed_choice and env.master:
         log(env, resumed_choice)
     loader = TokenLoader(cfg.data_dir, tokenizer, "train", sizes[env.rank], cfg.max_seq_len, env.rank,
                          env.world_size, state=loader_state, packing=cfg.packing)
     peak = measure_matmul_peak(env.device, ctx_dtype)
-    tracker = Tracker(cfg, env, extra.get("mlflow_run_id"))
+    tracker = Tracker(cfg, env, saved.mlflow_run_id)
     tracker.log_params({**dataclasses.asdict(cfg), "world_size": env.world_size, "flops_per_token": fpt,
                         **{f"params_{k}": v for k, v in parameter_breakdown(model).items()}})
     if env.master:
         log(env, f"matmul peak {peak / 1e9:.0f} GFLOP/s per rank ({ctx_dtype}); MFU is measured against it")
     loss_scale = stepping_loss_scale(env, nodes if local_now else None, sizes, accum)
-    diloco, schedule = setup_local_steps(cfg, env, model, opt, nodes if local_now else None, sizes, extra, start_step)
+    diloco, schedule = setup_local_steps(cfg, env, model, opt, nodes if local_now else None, sizes, saved, start_step)
     if nodes is not None and not local_now:
         planned = "as auto chose" if auto_choice else f"--sync-warmup-ratio {cfg.sync_warmup_ratio}"
         log(env, f"local steps after a synchronous warm-up: steps {start_step + 1}-{warm_until} synchronous "
@@ -805,10 +807,10 @@ def run(cfg: TrainConfig) -> int:
             if auto_choice is None:  # timed anew at the new split
                 warm, warm_before_resplit = PhaseTimes(), False
                 warm_until = max(warm_until, min(step + AUTO_TIMED_STEPS, cfg.num_iterations))
-            elif auto_choice["synchronous"]:
+            elif auto_choice.synchronous:
                 nodes, warm_until = None, 0
-            else:
-                warm_until = auto_choice.get("warm_until", warm_until)
+            elif auto_choice.warm_until is not None:
+                warm_until = auto_choice.warm_until
         warmed_up = diloco is None and nodes is not None and step == warm_until and not last
         if warmed_up and cfg.rank_batch_sizes == "auto":
             # the inner steps check the split again (and so does a resume from the warm-up's
@@ -839,31 +841,27 @@ def run(cfg: TrainConfig) -> int:
         if env.master and cfg.sample_every != NEVER and (schedule.due(cfg.sample_every, step) or last):
             log_sample(env, model, tokenizer, step)
         if schedule.due(cfg.checkpoint_every, step) or last or stopping or warmed_up:
-            extra = {"mlflow_run_id": tracker.run_id, "rank_batch_sizes": sizes, "split_settled": split_settled,
-                     "split_fixed_rows": fixed_rows,
-                     "tokenizer_sha256": tokenizer_sha, "vocab_size": tokenizer.vocab_size,
-                     "compile": compiling.state_dict()}
-            if auto_choice:
-                extra["auto_choice"] = auto_choice
+            state = RunState(tokenizer_sha256=tokenizer_sha, vocab_size=tokenizer.vocab_size,
+                             mlflow_run_id=tracker.run_id, rank_batch_sizes=sizes, split_settled=split_settled,
+                             split_fixed_rows=fixed_rows, compile=compiling.state_dict(), auto_choice=auto_choice)
             if diloco is not None:  # at a boundary: the model is theta_global; the outer momentum, the chosen H
-                extra |= {"outer": diloco.state_dict(),
-                          "sync_schedule": {"first": schedule.first, "every": schedule.every,
-                                            "land_after": schedule.land_after,
-                                            # what auto chose (a run told on or off chooses anew under auto)
-                                            "overlap": diloco.overlaps if cfg.outer_overlap == "auto" else None}}
+                state.outer = diloco.state_dict()
+                # what auto chose (a run told on or off chooses anew under auto)
+                state.sync_schedule = SavedSchedule(schedule.first, schedule.every, schedule.land_after,
+                                                    diloco.overlaps if cfg.outer_overlap == "auto" else None)
             if background is not None:  # one at a time: the last one's bytes go before this one is taken
                 background.wait(step)
             if background is not None and diloco is not None and not (last or stopping):
-                background.start(checkpoint.take_snapshot(env, disks, model, opt, loader, step, extra,
+                background.start(checkpoint.take_snapshot(env, disks, model, opt, loader, step, state,
                                                           copy_weights=True))
             else:
-                saved = step, checkpoint.save_checkpoint(cfg, env, disks, model, opt, loader, step, watchdog, extra)
+                waited = step, checkpoint.save_checkpoint(cfg, env, disks, model, opt, loader, step, watchdog, state)
             tracker.flush()
         if not (last or stopping):
             # the stop is agreed one step after the signal: a step, then one that ends with the outer sync
             # (overlapped: the sync in flight lands, then the stop's own blocks)
             stop_s = 2 * dt - outer_wait + (diloco.stop_s() if diloco is not None else 0.0)
-            warning = stop_budget.check(step, stop_s, [saved, background.took if background else None],
+            warning = stop_budget.check(step, stop_s, [waited, background.took if background else None],
                                         crossing=background is not None and diloco is not None)
             if warning and env.master:
                 log(env, warning)

@@ -165,20 +165,20 @@ def check_split(cfg: TrainConfig, env: DistEnv, sizes: list[int], accum: int, fi
     return None if keep else new
 
 
-def choose_split(cfg: TrainConfig, env: DistEnv, model: GPT, ctx, watchdog: Watchdog, extra: dict,
-                 ) -> tuple[list[int], float]:
-    """Each rank's rows per micro-step: as given, even, as the checkpoint saved them, or calibrated;
-    and a micro-batch's fixed cost in rows, which the check of a calibrated split uses."""
+def choose_split(cfg: TrainConfig, env: DistEnv, model: GPT, ctx, watchdog: Watchdog, saved: list[int] | None,
+                 saved_fixed_rows: float) -> tuple[list[int], float]:
+    """Each rank's rows per micro-step: as given, even, as the checkpoint `saved` them (with its
+    fixed cost), or calibrated; and a micro-batch's fixed cost in rows, which the check of a
+    calibrated split uses."""
     explicit = explicit_rank_batch_sizes(cfg, env.world_size)
     if explicit is not None:
         return explicit, 0.0
     if cfg.rank_batch_sizes != "auto" or not env.distributed:
         return [cfg.device_batch_size] * env.world_size, 0.0
-    saved = extra.get("rank_batch_sizes")
     if saved is not None and len(saved) == env.world_size:
         if env.master:
             log(env, f"work split from the checkpoint: {saved}")
-        return saved, float(extra.get("split_fixed_rows", 0.0))  # checkpoints before it: rows alone
+        return saved, saved_fixed_rows
     return calibrate_split(model, cfg, env, ctx, watchdog)
 
 
