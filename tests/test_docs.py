@@ -45,6 +45,35 @@ def test_every_relative_link_in_the_docs_resolves():
     assert not broken, "links to nothing:\n" + "\n".join(broken)
 
 
+def github_anchors(md: Path) -> set[str]:
+    """The anchors GitHub gives a file's headings: lower case, punctuation dropped, spaces to
+    hyphens, a repeated heading's anchor suffixed -1, -2, ... (code blocks hold no headings)."""
+    anchors, seen, fenced = set(), {}, False
+    for line in md.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        heading = None if fenced else re.match(r"#{1,6} (.*)", line)
+        if heading:
+            text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1)).strip().lower()
+            slug = re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+            anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_every_anchor_in_the_docs_resolves():
+    """A link to a section (`FILE.md#section`, `#section`) names a heading the file has."""
+    broken = []
+    for md in (p for p in tracked_files() if p.suffix == ".md"):
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", md.read_text()):
+            if "://" in target:
+                continue
+            dest = md.parent / target if target else md
+            if dest.suffix == ".md" and dest.exists() and anchor not in github_anchors(dest):
+                broken.append(f"{md.relative_to(ROOT)} -> {target}#{anchor}")
+    assert not broken, "links to no heading:\n" + "\n".join(broken)
+
+
 def test_nothing_refers_outside_the_repository():
     """The catalogue of failures is docs/FAILURES.md, and work items are named by what they are:
     no path above the checkout, no "issue N" that only a tracker outside the repo can explain."""
