@@ -96,4 +96,19 @@ def test_readme_is_a_manual_and_the_log_lives_in_benchmarks():
     top = "\n".join(readme.splitlines()[:8])
     assert "make demo" in top and "make test" in top, "the README opens with its two commands"
     assert "docs/BENCHMARKS.md" in readme
-    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", readme), "dated measurements belong in docs/BENCHMARKS.md"
+    prose = re.sub(r"\]\([^)]*\)", "]", readme)  # a link to a log entry names its date in the anchor
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", prose), "dated measurements belong in docs/BENCHMARKS.md"
+
+
+def test_each_readme_result_is_one_short_line_linking_its_log_entry():
+    """The Results table holds a headline figure per row, its machine and a link to the log entry
+    with the history: a cell that grows past a line belongs in docs/BENCHMARKS.md."""
+    readme = (ROOT / "README.md").read_text()
+    results = readme.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in results.splitlines() if line.startswith("| ") and not line.startswith("|---")][1:]
+    assert rows, "README.md has a Results table"
+    for row in rows:
+        assert re.search(r"\]\(docs/BENCHMARKS\.md#[^)]+\)", row), f"links no log entry: {row[:80]}"
+        for cell in row.strip().strip("|").split(" | "):
+            text = re.sub(r"\]\([^)]*\)", "]", cell.strip())
+            assert len(text) <= 100, f"a Results cell of {len(text)} characters: {text[:80]}..."
