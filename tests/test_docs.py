@@ -45,6 +45,35 @@ def test_every_relative_link_in_the_docs_resolves():
     assert not broken, "links to nothing:\n" + "\n".join(broken)
 
 
+def github_anchors(md: Path) -> set[str]:
+    """The anchors GitHub gives a file's headings: lower case, punctuation dropped, spaces to
+    hyphens, a repeated heading's anchor suffixed -1, -2, ... (code blocks hold no headings)."""
+    anchors, seen, fenced = set(), {}, False
+    for line in md.read_text().splitlines():
+        if line.startswith("```"):
+            fenced = not fenced
+        heading = None if fenced else re.match(r"#{1,6} (.*)", line)
+        if heading:
+            text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading.group(1)).strip().lower()
+            slug = re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+            anchors.add(slug if slug not in seen else f"{slug}-{seen[slug]}")
+            seen[slug] = seen.get(slug, 0) + 1
+    return anchors
+
+
+def test_every_anchor_in_the_docs_resolves():
+    """A link to a section (`FILE.md#section`, `#section`) names a heading the file has."""
+    broken = []
+    for md in (p for p in tracked_files() if p.suffix == ".md"):
+        for target, anchor in re.findall(r"\]\(([^)#\s]*)#([^)\s]+)\)", md.read_text()):
+            if "://" in target:
+                continue
+            dest = md.parent / target if target else md
+            if dest.suffix == ".md" and dest.exists() and anchor not in github_anchors(dest):
+                broken.append(f"{md.relative_to(ROOT)} -> {target}#{anchor}")
+    assert not broken, "links to no heading:\n" + "\n".join(broken)
+
+
 def test_nothing_refers_outside_the_repository():
     """The catalogue of failures is docs/FAILURES.md, and work items are named by what they are:
     no path above the checkout, no "issue N" that only a tracker outside the repo can explain."""
@@ -67,4 +96,19 @@ def test_readme_is_a_manual_and_the_log_lives_in_benchmarks():
     top = "\n".join(readme.splitlines()[:8])
     assert "make demo" in top and "make test" in top, "the README opens with its two commands"
     assert "docs/BENCHMARKS.md" in readme
-    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", readme), "dated measurements belong in docs/BENCHMARKS.md"
+    prose = re.sub(r"\]\([^)]*\)", "]", readme)  # a link to a log entry names its date in the anchor
+    assert not re.search(r"\b20\d\d-\d\d-\d\d\b", prose), "dated measurements belong in docs/BENCHMARKS.md"
+
+
+def test_each_readme_result_is_one_short_line_linking_its_log_entry():
+    """The Results table holds a headline figure per row, its machine and a link to the log entry
+    with the history: a cell that grows past a line belongs in docs/BENCHMARKS.md."""
+    readme = (ROOT / "README.md").read_text()
+    results = readme.split("\n## Results\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in results.splitlines() if line.startswith("| ") and not line.startswith("|---")][1:]
+    assert rows, "README.md has a Results table"
+    for row in rows:
+        assert re.search(r"\]\(docs/BENCHMARKS\.md#[^)]+\)", row), f"links no log entry: {row[:80]}"
+        for cell in row.strip().strip("|").split(" | "):
+            text = re.sub(r"\]\([^)]*\)", "]", cell.strip())
+            assert len(text) <= 100, f"a Results cell of {len(text)} characters: {text[:80]}..."
