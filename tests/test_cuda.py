@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from tests.test_train_runs import losses, tiny_flags, train_target
-from tests.torchrun_helpers import REPO, node_env, run_torchrun
+from tests.trainer_runs import REPO, node_env, run_torchrun
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 

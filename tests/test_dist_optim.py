@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanochat_cpu.optim import Group, MuonAdamW
-from tests.torchrun_helpers import REPO, node_env, run_torchrun
+from tests.trainer_runs import REPO, node_env, run_torchrun
 
 WORKER = str(REPO / "tests" / "dist_worker.py")
 

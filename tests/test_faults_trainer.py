@@ -29,7 +29,7 @@ import torch
 
 from nanochat_cpu import checkpoint, config, data, tokenizer, train
 from tests.test_train_runs import finish, losses, read_until, tiny_flags, train_target
-from tests.torchrun_helpers import (
+from tests.trainer_runs import (
     REPO,
     SLOW_CHECKPOINT_TRAIN,
     descendants,

@@ -7,7 +7,7 @@ import re
 
 from test_train_runs import losses, tiny_flags, train_target
 
-from tests.torchrun_helpers import run_torchrun
+from tests.trainer_runs import run_torchrun
 
 
 def test_a_checkpoint_resumed_with_the_other_packing_is_refused_naming_the_flag(tiny_data_dir, tiny_tokenizer_dir,

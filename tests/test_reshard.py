@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from nanochat_cpu.optim import Group, MuonAdamW, merge_optimizer_states
-from tests.torchrun_helpers import REPO, node_env, run_torchrun
+from tests.trainer_runs import REPO, node_env, run_torchrun
 
 WORKER = str(REPO / "tests" / "reshard_worker.py")
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from nanochat_cpu.dist import EXIT_MISMATCH
-from tests.torchrun_helpers import (
+from tests.trainer_runs import (
     REPO,
     SLOW_CHECKPOINT_TRAIN,
     SMALL_ROUNDS,
