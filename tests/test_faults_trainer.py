@@ -28,17 +28,21 @@ import pytest
 import torch
 
 from nanochat_cpu import checkpoint, config, data, tokenizer, train
-from tests.test_train_runs import finish, losses, read_until, tiny_flags, train_target
 from tests.trainer_runs import (
     REPO,
     SLOW_CHECKPOINT_TRAIN,
     descendants,
+    finish,
     free_port,
     kill_tree,
+    losses,
     node_env,
+    read_until,
     run_torchrun,
     spawn_node,
+    tiny_flags,
     torchrun_cmd,
+    train_target,
 )
 
 FAULT_TRAIN = str(REPO / "tests" / "fault_train.py")

@@ -32,8 +32,18 @@ from nanochat_cpu.sync_diloco import (
 )
 from nanochat_cpu.train import PhaseTimes, auto_on_resume, overlap_asked, overlap_work_s
 from tests.local_steps_worker import OUTER_LR, OUTER_MOMENTUM
-from tests.test_train_runs import losses, read_until, tiny_flags, train_target
-from tests.trainer_runs import REPO, SLOW_CHECKPOINT_TRAIN, free_port, kill_tree, node_env, spawn_node
+from tests.trainer_runs import (
+    REPO,
+    SLOW_CHECKPOINT_TRAIN,
+    free_port,
+    kill_tree,
+    losses,
+    node_env,
+    read_until,
+    spawn_node,
+    tiny_flags,
+    train_target,
+)
 
 WORKER = str(REPO / "tests" / "local_steps_worker.py")
 LATE_TRAIN = str(REPO / "tests" / "late_node_train.py")
