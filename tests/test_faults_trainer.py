@@ -29,6 +29,7 @@ import torch
 
 from nanochat_cpu import checkpoint, config, data, tokenizer, train
 from tests.trainer_runs import (
+    ENTRY_POINTS,
     REPO,
     SLOW_CHECKPOINT_TRAIN,
     descendants,
@@ -45,7 +46,7 @@ from tests.trainer_runs import (
     train_target,
 )
 
-FAULT_TRAIN = str(REPO / "tests" / "fault_train.py")
+FAULT_TRAIN = str(ENTRY_POINTS / "fault_train.py")
 # Two cold torch imports per node on a loaded 2-core machine, plus the failure itself.
 FAIL_FAST_S = 30
 

@@ -31,8 +31,9 @@ from nanochat_cpu.sync_diloco import (
     warm_up_end,
 )
 from nanochat_cpu.train import PhaseTimes, auto_on_resume, overlap_asked, overlap_work_s
-from tests.local_steps_worker import OUTER_LR, OUTER_MOMENTUM
+from tests.entry_points.local_steps_worker import OUTER_LR, OUTER_MOMENTUM
 from tests.trainer_runs import (
+    ENTRY_POINTS,
     REPO,
     SLOW_CHECKPOINT_TRAIN,
     free_port,
@@ -45,9 +46,9 @@ from tests.trainer_runs import (
     train_target,
 )
 
-WORKER = str(REPO / "tests" / "local_steps_worker.py")
-LATE_TRAIN = str(REPO / "tests" / "late_node_train.py")
-SLOW_TRAIN = str(REPO / "tests" / "slow_compute_train.py")
+WORKER = str(ENTRY_POINTS / "local_steps_worker.py")
+LATE_TRAIN = str(ENTRY_POINTS / "late_node_train.py")
+SLOW_TRAIN = str(ENTRY_POINTS / "slow_compute_train.py")
 
 
 def run_nodes(nodes: int, target: list[str], nproc: int = 1, env_extra: dict[str, str] | None = None,
@@ -539,7 +540,7 @@ def test_a_checkpoint_reaches_every_disk_while_the_inner_steps_go_on_and_a_kill_
         tiny_data_dir, tiny_tokenizer_dir, tmp_path):
     """With local steps a checkpoint crosses to the other disks in the background, the wire being
     idle between outer syncs. Here each crosses in about 200 rounds of 8 KiB, each 0.02 s slower
-    than loopback (tests/slow_checkpoint_train.py): 4 s, against inner steps of 20 ms. The steps go on
+    than loopback (tests/entry_points/slow_checkpoint_train.py): 4 s, against inner steps of 20 ms. The steps go on
     meanwhile, the next checkpoint waits for it (and says so), every disk ends with the same
     bytes. A node killed while checkpoint 8 is crossing leaves it unsealed everywhere, and the
     run resumes from checkpoint 4 and repeats the uninterrupted run's losses: nothing is lost

@@ -17,6 +17,7 @@ import torch
 
 from nanochat_cpu.dist import EXIT_MISMATCH
 from tests.trainer_runs import (
+    ENTRY_POINTS,
     REPO,
     SLOW_CHECKPOINT_TRAIN,
     SMALL_ROUNDS,
@@ -287,7 +288,7 @@ def test_cuda_present_but_cpu_requested_uses_cpu_dtype_sdpa_gloo(native_ranks, d
     """A GPU in the box changes nothing: gloo, SDPA, and bf16 only where every rank's CPU has it."""
     flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, num_iterations=2, checkpoint_every=0,
                        compile="auto")
-    proc = run_torchrun(2, [str(REPO / "tests" / "fake_cuda_train.py"), *flags],
+    proc = run_torchrun(2, [str(ENTRY_POINTS / "fake_cuda_train.py"), *flags],
                         env_extra={"FAKE_NATIVE_BF16_RANKS": native_ranks})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

@@ -12,9 +12,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# the trainer with checkpoint transfers in small rounds (tests/slow_checkpoint_train.py): a test's
-# few-hundred-KiB checkpoint then crosses in many rounds, as a big model's does
-SLOW_CHECKPOINT_TRAIN = str(REPO / "tests" / "slow_checkpoint_train.py")
+# the scripts the tests launch (a patched trainer, a worker): tests/entry_points/README.md
+ENTRY_POINTS = REPO / "tests" / "entry_points"
+# the trainer with checkpoint transfers in small rounds (entry_points/slow_checkpoint_train.py): a
+# test's few-hundred-KiB checkpoint then crosses in many rounds, as a big model's does
+SLOW_CHECKPOINT_TRAIN = str(ENTRY_POINTS / "slow_checkpoint_train.py")
 SMALL_ROUNDS = {"CHUNK_BYTES": "8192", "ROUND_S": "0"}
 
 
