@@ -17,8 +17,7 @@ import sys
 import pytest
 import torch
 
-from tests.test_train_runs import losses, tiny_flags, train_target
-from tests.torchrun_helpers import REPO, node_env, run_torchrun
+from tests.trainer_runs import REPO, losses, node_env, run_torchrun, tiny_flags, train_target
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device here")
 

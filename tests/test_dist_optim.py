@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from nanochat_cpu.optim import Group, MuonAdamW
-from tests.torchrun_helpers import REPO, node_env, run_torchrun
+from tests.trainer_runs import ENTRY_POINTS, REPO, node_env, run_torchrun
 
-WORKER = str(REPO / "tests" / "dist_worker.py")
+WORKER = str(ENTRY_POINTS / "dist_worker.py")
 
 
 @pytest.fixture(scope="module")

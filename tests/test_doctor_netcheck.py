@@ -10,7 +10,7 @@ import time
 
 from nanochat_cpu import doctor
 from nanochat_cpu.perf import cpu_has_native_bf16
-from tests.torchrun_helpers import REPO, free_port, node_env
+from tests.trainer_runs import REPO, free_port, node_env
 
 
 def test_interface_checks_name_host_interface_and_fix():

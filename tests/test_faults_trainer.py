@@ -29,20 +29,25 @@ import torch
 
 from nanochat_cpu import checkpoint, config, data, tokenizer
 from nanochat_cpu.compile_choice import resolve_compile
-from tests.test_train_runs import finish, losses, read_until, tiny_flags, train_target
-from tests.torchrun_helpers import (
+from tests.trainer_runs import (
+    ENTRY_POINTS,
     REPO,
     SLOW_CHECKPOINT_TRAIN,
     descendants,
+    finish,
     free_port,
     kill_tree,
+    losses,
     node_env,
+    read_until,
     run_torchrun,
     spawn_node,
+    tiny_flags,
     torchrun_cmd,
+    train_target,
 )
 
-FAULT_TRAIN = str(REPO / "tests" / "fault_train.py")
+FAULT_TRAIN = str(ENTRY_POINTS / "fault_train.py")
 # Two cold torch imports per node on a loaded 2-core machine, plus the failure itself.
 FAIL_FAST_S = 30
 

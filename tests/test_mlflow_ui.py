@@ -27,8 +27,7 @@ from mlflow.tracking import MlflowClient
 from PIL import Image
 
 from nanochat_cpu.tracking import EXPERIMENT
-from tests.test_train_runs import tiny_flags, train_target
-from tests.torchrun_helpers import REPO, free_port, kill_tree, node_env
+from tests.trainer_runs import REPO, free_port, kill_tree, node_env, tiny_flags, train_target
 
 STEPS = 6
 EVAL_EVERY = 2  # val_bpb at steps 2, 4 and 6: a curve, not a dot

@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import re
 
-from test_train_runs import losses, tiny_flags, train_target
-
-from tests.torchrun_helpers import run_torchrun
+from tests.trainer_runs import losses, run_torchrun, tiny_flags, train_target
 
 
 def test_a_checkpoint_resumed_with_the_other_packing_is_refused_naming_the_flag(tiny_data_dir, tiny_tokenizer_dir,

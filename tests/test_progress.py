@@ -10,8 +10,7 @@ import pytest
 from nanochat_cpu.config import ConfigError, parse_config, validate
 from nanochat_cpu.progress import MIN_WINDOW, StepClock, human_duration, window_steps
 from tests.test_roles import run_validate_on_localhost
-from tests.test_train_runs import tiny_flags, train_target
-from tests.torchrun_helpers import run_torchrun
+from tests.trainer_runs import run_torchrun, tiny_flags, train_target
 
 # ---- the estimate, fed its own clock -----------------------------------------------------------
 

@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 
 from nanochat_cpu.optim import Group, MuonAdamW, merge_optimizer_states
-from tests.torchrun_helpers import REPO, node_env, run_torchrun
+from tests.trainer_runs import ENTRY_POINTS, REPO, node_env, run_torchrun
 
-WORKER = str(REPO / "tests" / "reshard_worker.py")
+WORKER = str(ENTRY_POINTS / "reshard_worker.py")
 
 # items per group: 10 table rows, 11 scalars, 5 matrices; none divisible by 3 or 4, so the last
 # slices are padded, and at 4 ranks the last rank owns no matrix at all

@@ -21,8 +21,19 @@ from nanochat_cpu import checkpoint
 from nanochat_cpu.dist import EXIT_CONFIG, EXIT_STOPPED
 from nanochat_cpu.stop import StopBudget, shutdown_budget_s
 from tests.conftest import TINY_VOCAB
-from tests.test_train_runs import finish, losses, read_until, tiny_flags, train_target
-from tests.torchrun_helpers import SLOW_CHECKPOINT_TRAIN, SMALL_ROUNDS, free_port, kill_tree, node_env, spawn_node
+from tests.trainer_runs import (
+    SLOW_CHECKPOINT_TRAIN,
+    SMALL_ROUNDS,
+    finish,
+    free_port,
+    kill_tree,
+    losses,
+    node_env,
+    read_until,
+    spawn_node,
+    tiny_flags,
+    train_target,
+)
 
 UNIFORM = math.log(TINY_VOCAB)  # the loss of a model that has learnt nothing
 

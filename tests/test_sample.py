@@ -15,8 +15,7 @@ import torch
 from nanochat_cpu import sample
 from nanochat_cpu.model import KVCache, kept_context
 from nanochat_cpu.tokenizer import TOKENIZER_FILE, Tokenizer
-from tests.test_train_runs import tiny_flags
-from tests.torchrun_helpers import REPO, node_env
+from tests.trainer_runs import REPO, node_env, tiny_flags
 
 SEQ_LEN = 32  # tiny, so that a few dozen tokens run past the context and its cut
 

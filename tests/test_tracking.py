@@ -19,8 +19,7 @@ from nanochat_cpu import tracking
 from nanochat_cpu.config import TrainConfig
 from nanochat_cpu.dist import DistEnv
 from nanochat_cpu.tracking import Tracker, finish_seconds, shown_uri
-from tests.test_train_runs import losses, tiny_flags, train_target
-from tests.torchrun_helpers import run_torchrun
+from tests.trainer_runs import losses, run_torchrun, tiny_flags, train_target
 
 STEP_BOUND_S = 0.2  # what one log call may cost the step loop
 SECRET = "pw-that-must-never-be-logged"

@@ -10,87 +10,30 @@ import signal
 import socket
 import sqlite3
 import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from nanochat_cpu.dist import EXIT_MISMATCH
-from tests.torchrun_helpers import (
+from tests.trainer_runs import (
+    ENTRY_POINTS,
     REPO,
     SLOW_CHECKPOINT_TRAIN,
     SMALL_ROUNDS,
+    busy_loops,
+    finish,
     free_port,
     kill_tree,
+    losses,
     node_env,
+    read_until,
     run_torchrun,
     spawn_node,
+    tiny_flags,
     torchrun_cmd,
+    train_target,
 )
-
-STEP_LINE = re.compile(r"step (\d+)/\d+ \([0-9.]+%\) loss=([0-9.]+)")
-
-
-def tiny_flags(data: Path, tok: Path, out: Path, **over) -> list[str]:
-    flags = {"data-dir": data, "tokenizer-dir": tok, "out-dir": out, "run-name": "test", "depth": 2,
-             "aspect-ratio": 32, "head-dim": 32, "max-seq-len": 64, "device-batch-size": 2,
-             "total-batch-size": 256, "num-iterations": 12, "eval-every": 0, "eval-tokens": 512,
-             "sample-every": 0, "checkpoint-every": 4, "keep-checkpoints": 3, "collective-timeout": 20,
-             "tracking-uri": "none", "compile": "off",
-             # auto would choose from a timing: a loaded machine's may differ between two runs of a test
-             "outer-overlap": "off"}
-    flags.update({k.replace("_", "-"): v for k, v in over.items()})
-    return [x for k, v in flags.items() for x in (f"--{k}", str(v))]
-
-
-def train_target(*flags: str) -> list[str]:
-    return ["-m", "nanochat_cpu.train", *flags]
-
-
-def losses(output: str) -> dict[int, float]:
-    return {int(m.group(1)): float(m.group(2)) for m in STEP_LINE.finditer(output)}
-
-
-def busy_loops(core: int, count: int = 2) -> list[subprocess.Popen]:
-    """`count` busy loops pinned to `core`, each in a session of its own: with the kernel's
-    autogroup scheduling (on by default) a core is shared out per session first, so loops left in
-    pytest's session would take half of the core together, not count/(count+1) of it."""
-    return [subprocess.Popen(["taskset", "-c", str(core), sys.executable, "-c", "while True: pass"],
-                             start_new_session=True) for _ in range(count)]
-
-
-def read_line(proc) -> str:
-    """One line of a node's output, read a byte at a time from the pipe itself: a buffered readline
-    would also take what follows into the file object's buffer, and `communicate` (which reads the
-    pipe's descriptor) would never see it: a line printed right after `pattern` went missing so."""
-    line = bytearray()
-    while not line.endswith(b"\n"):
-        byte = os.read(proc.stdout.fileno(), 1)
-        if not byte:
-            break
-        line += byte
-    return line.decode(errors="replace")
-
-
-def read_until(proc, pattern: str, timeout: float) -> str:
-    """Collect a node's output until `pattern` shows up (or fail)."""
-    seen, deadline = [], time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = read_line(proc)
-        if not line:
-            break
-        seen.append(line)
-        if pattern in line:
-            return "".join(seen)
-    raise AssertionError(f"{pattern!r} not seen in {timeout}s:\n" + "".join(seen))
-
-
-def finish(proc, timeout: float) -> tuple[int, str, float]:
-    t0 = time.monotonic()
-    out, _ = proc.communicate(timeout=timeout)
-    return proc.returncode, out, time.monotonic() - t0
 
 
 def test_bad_batch_arithmetic_fails_every_rank_before_rendezvous(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
@@ -345,7 +288,7 @@ def test_cuda_present_but_cpu_requested_uses_cpu_dtype_sdpa_gloo(native_ranks, d
     """A GPU in the box changes nothing: gloo, SDPA, and bf16 only where every rank's CPU has it."""
     flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, num_iterations=2, checkpoint_every=0,
                        compile="auto")
-    proc = run_torchrun(2, [str(REPO / "tests" / "fake_cuda_train.py"), *flags],
+    proc = run_torchrun(2, [str(ENTRY_POINTS / "fake_cuda_train.py"), *flags],
                         env_extra={"FAKE_NATIVE_BF16_RANKS": native_ranks})
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out

@@ -1,6 +1,6 @@
 """The trainer with its checkpoint exchange slowed down as a slow link would, for the fault tests.
 
-    CHUNK_BYTES=8192 ROUND_S=0.6 python tests/slow_checkpoint_train.py [train flags]
+    CHUNK_BYTES=8192 ROUND_S=0.6 python tests/entry_points/slow_checkpoint_train.py [train flags]
 
 Checkpoint states cross between ranks in rounds of CHUNK_BYTES (the real default is 16 MiB), and
 each round takes ROUND_S seconds longer than loopback makes it: a checkpoint of a few hundred KiB

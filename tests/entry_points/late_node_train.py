@@ -1,6 +1,6 @@
 """The trainer with one rank late to its first outer sync, for auto's H (tests/test_local_steps.py).
 
-    LATE_RANK=1 LATE_S=3 python tests/late_node_train.py [train flags]
+    LATE_RANK=1 LATE_S=3 python tests/entry_points/late_node_train.py [train flags]
 
 Rank LATE_RANK sleeps LATE_S seconds before its first outer sync, as a node whose inner phase
 ran long would arrive: the nodes already there wait for it inside the sync, on no wire. Everything

@@ -36,7 +36,7 @@ from nanochat_cpu.dist import Watchdog, check_parameters_agree
 from nanochat_cpu.optim import build_optimizer
 from nanochat_cpu.shm import make_arena
 from nanochat_cpu.sync_diloco import DiLoCo, find_nodes, open_background
-from tests.dist_worker import GLOBAL_ROWS, SEQ, VOCAB, make_model, setup
+from tests.entry_points.dist_worker import GLOBAL_ROWS, SEQ, VOCAB, make_model, setup
 
 STEPS = 4
 OUTER_LR, OUTER_MOMENTUM = 0.7, 0.9  # `weighted`: DiLoCo's published outer step, momentum and all

@@ -1,6 +1,6 @@
 """The trainer with one checkpoint write sabotaged, for the fault tests (tests/test_faults_trainer.py).
 
-    FAULT_RANK=0 FAULT_STEP=8 FAULT_FILE=model.pt FAULT_MODE=kill python tests/fault_train.py [train flags]
+    FAULT_RANK=0 FAULT_STEP=8 FAULT_FILE=model.pt FAULT_MODE=kill python tests/entry_points/fault_train.py [train flags]
 
 When rank FAULT_RANK writes FAULT_FILE of checkpoint step FAULT_STEP (model.pt through
 atomic_torch_save, a rank's file through atomic_write_bytes):

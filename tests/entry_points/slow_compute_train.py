@@ -1,7 +1,7 @@
 """The trainer with every step's compute made longer, for auto's warm-up (tests/test_local_steps.py).
 
     SLOW_S=1 SLOW_RANK=1 [SLOW_BUSY=1] [SLOW_FROM=4 EARLY_RANK=0 EARLY_S=0.5] [WIRE_S=0.1] [OUTER_WIRE_S=2] \
-        python tests/slow_compute_train.py [flags]
+        python tests/entry_points/slow_compute_train.py [flags]
 
 Rank SLOW_RANK's steps (from step SLOW_FROM on, default the first) sleep SLOW_S seconds before their
 forward and backward (with SLOW_BUSY=1 they spin, as compute takes CPU); before SLOW_FROM rank

@@ -21,7 +21,7 @@ from nanochat_cpu.config import TrainConfig
 from nanochat_cpu.dist import DistEnv
 from nanochat_cpu.optim import MuonAdamW, build_optimizer, merge_optimizer_states
 from nanochat_cpu.shm import make_arena
-from tests.dist_worker import GLOBAL_ROWS, SEQ, VOCAB, make_model, setup
+from tests.entry_points.dist_worker import GLOBAL_ROWS, SEQ, VOCAB, make_model, setup
 
 STEPS = 2  # before the checkpoint
 
