@@ -9,6 +9,9 @@ checkpoints, outer syncs, samples, a slow peer) is counted as the run will pay i
 outer periods: any H x k consecutive steps hold exactly k outer syncs, so the estimate does not
 jump at each of them. Until a window's worth of steps has run it uses what there is (whole
 periods once one has run). Only this process's steps count: a resumed run starts afresh.
+
+`PhaseTimes` sums what the timing lines report per step (compute, waits, wall, an outer sync's
+share) over a window of steps: one step when synchronous, whole inner phases with local steps.
 """
 
 from __future__ import annotations
@@ -76,3 +79,33 @@ class StepClock:
         span = min(window, done // period * period) or done  # whole periods once there is one
         per_step = (now - self.times[-1 - span]) / span
         return Progress(step, self.total, now - self.started_at, (self.total - step) * per_step)
+
+
+@dataclass
+class PhaseTimes:
+    """Seconds summed over the steps of an inner phase: the timing lines' per-step means."""
+
+    compute_s: float = 0.0
+    wait_s: float = 0.0  # the steps' own waits, the outer sync's but
+    wall_s: float = 0.0  # the same
+    sync_s: float = 0.0  # the outer sync's wait: a cost of every step of the phase
+    steps: int = 0
+    earlier: int = 0  # the phase's steps before a new split, not timed here: the sync spreads over them too
+
+    def add(self, compute_s: float, wait_s: float, wall_s: float, sync_s: float = 0.0) -> None:
+        """A step's seconds; `sync_s` of its wait and wall was the outer sync's."""
+        self.compute_s += compute_s
+        self.wait_s += wait_s - sync_s
+        self.wall_s += wall_s - sync_s
+        self.sync_s += sync_s
+        self.steps += 1
+
+    def per_step(self) -> tuple[float, float, float]:
+        n = max(1, self.steps)
+        sync = self.sync_s / (n + self.earlier)
+        return self.compute_s / n, self.wait_s / n + sync, self.wall_s / n + sync
+
+    def restarted(self) -> PhaseTimes:
+        """The same phase timed afresh from here (a new split): its steps so far count as earlier,
+        and the outer syncs in them (a timing window spans phases with local steps) spread over all."""
+        return PhaseTimes(sync_s=self.sync_s, earlier=self.steps + self.earlier)

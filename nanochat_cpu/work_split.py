@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -25,6 +26,7 @@ from .dist import DistEnv, Watchdog, log
 from .grad_target import clear_gradients
 from .model import GPT
 from .perf import sync
+from .progress import PhaseTimes
 from .tracking import Tracker
 
 
@@ -163,6 +165,39 @@ def check_split(cfg: TrainConfig, env: DistEnv, sizes: list[int], accum: int, fi
                    f"rows {new} instead of {sizes}: the slowest rank's compute {now:.2f} s -> {balanced:.2f} s a step")
         log(env, f"work split checked against steps to {step}: {speeds} -> {verdict}")
     return None if keep else new
+
+
+@dataclass
+class SplitCheck:
+    """A measured split, checked against the run's own steps: the calibration times a few
+    micro-batches before the run, and a host busy then (a controller's ansible on a node), or ranks
+    that share cores once the steps run, gives another split than the steps would. It times this
+    process's steps but its first (which allocates), and after two of them `check_split` decides;
+    again when local steps begin (`again`)."""
+
+    settled: bool  # checked against the run's steps: a checkpoint keeps this, so a resume keeps the split
+    times: PhaseTimes | None = None  # the steps timed so far (None: nothing to check)
+    from_step: int = 0  # the first step they time
+
+    @classmethod
+    def start(cls, measured: bool, settled: bool, start_step: int) -> SplitCheck:
+        """`measured`: the split is calibrated (--rank-batch-sizes auto, more than one rank)."""
+        return cls(settled, PhaseTimes() if measured and not settled else None, start_step + 2)
+
+    def add(self, step: int, compute_s: float, wait_s: float, wall_s: float) -> None:
+        if self.times is not None and step >= self.from_step:
+            self.times.add(compute_s, wait_s, wall_s)
+
+    @property
+    def due(self) -> bool:
+        return self.times is not None and self.times.steps >= 2
+
+    def done(self) -> None:
+        self.times, self.settled = None, True
+
+    def again(self, step: int) -> None:
+        """Check it again, from the second step after `step`."""
+        self.times, self.settled, self.from_step = PhaseTimes(), False, step + 2
 
 
 def choose_split(cfg: TrainConfig, env: DistEnv, model: GPT, ctx, watchdog: Watchdog, saved: list[int] | None,

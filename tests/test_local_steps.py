@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from nanochat_cpu import checkpoint
-from nanochat_cpu.sync_diloco import AUTO_FIRST_PHASE
+from nanochat_cpu.outer_policy import AUTO_FIRST_PHASE
 from tests.entry_points.local_steps_worker import OUTER_LR, OUTER_MOMENTUM
 from tests.trainer_runs import (
     ENTRY_POINTS,

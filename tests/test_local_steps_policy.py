@@ -10,13 +10,11 @@ import pytest
 import torch
 
 from nanochat_cpu.config import parse_config, sync_warmup_steps
-from nanochat_cpu.sync_diloco import (
+from nanochat_cpu.local_steps import auto_on_resume, overlap_asked, overlap_work_s
+from nanochat_cpu.outer_policy import (
     AUTO_FIRST_PHASE,
     AUTO_MAX_H,
-    DiLoCo,
-    Nodes,
     OuterSchedule,
-    OuterStats,
     choose_overlap,
     choose_sync_every,
     first_outer_phase,
@@ -24,7 +22,9 @@ from nanochat_cpu.sync_diloco import (
     landing_steps,
     warm_up_end,
 )
-from nanochat_cpu.train import PhaseTimes, auto_on_resume, overlap_asked, overlap_work_s
+from nanochat_cpu.progress import PhaseTimes
+from nanochat_cpu.run_state import SavedSchedule
+from nanochat_cpu.sync_diloco import DiLoCo, Nodes, OuterStats
 
 
 def test_schedule_of_a_synchronous_run_is_every_step():
@@ -183,15 +183,15 @@ def test_outer_overlap_auto_overlaps_only_where_a_blocking_sync_cannot_be_held_t
 def test_a_resumed_run_keeps_what_outer_overlap_auto_chose_and_chooses_anew_where_it_was_told():
     nodes = Nodes(0, [[0], [1]], None, None, 0, background=object())  # a CPU run with on or auto
     on, auto = (parse_config(["--sync-every", "auto", "--outer-overlap", mode]) for mode in ("on", "auto"))
-    assert overlap_asked(on, nodes) is True and overlap_asked(on, nodes, {"overlap": False}) is True
+    assert overlap_asked(on, nodes) is True and overlap_asked(on, nodes, SavedSchedule(2, 8, overlap=False)) is True
     assert overlap_asked(auto, nodes) is None  # decided at the first outer sync
-    assert overlap_asked(auto, nodes, {"overlap": True}) is True  # auto chose before the checkpoint
-    assert overlap_asked(auto, nodes, {"overlap": False}) is False
+    assert overlap_asked(auto, nodes, SavedSchedule(2, 8, overlap=True)) is True  # auto chose before the checkpoint
+    assert overlap_asked(auto, nodes, SavedSchedule(2, 8, overlap=False)) is False
     # a checkpoint of a run told on or off (or from before auto existed): auto times the next sync
-    assert overlap_asked(auto, nodes, {"overlap": None, "land_after": 3}) is None
-    assert overlap_asked(auto, nodes, {"first": 2, "every": 8}) is None
+    assert overlap_asked(auto, nodes, SavedSchedule(2, 8, land_after=3)) is None
+    assert overlap_asked(auto, nodes, SavedSchedule(2, 8)) is None
     nodes.background = None  # off, or CUDA: no group for the syncs to cross on
-    assert overlap_asked(auto, nodes, {"overlap": True}) is False
+    assert overlap_asked(auto, nodes, SavedSchedule(2, 8, overlap=True)) is False
 
 
 def test_an_overlapped_syncs_own_work_counts_the_cpu_its_thread_takes_from_the_inner_steps():

@@ -11,10 +11,11 @@ import torch
 torch.cuda.is_available = lambda: True
 torch.cuda.device_count = lambda: 1
 
-import nanochat_cpu.train  # noqa: E402 - the patch must precede the import
+import nanochat_cpu.startup  # noqa: E402 - the patch must precede the import
+import nanochat_cpu.train  # noqa: E402
 
 if "FAKE_NATIVE_BF16_RANKS" in os.environ:
     native = os.environ["FAKE_NATIVE_BF16_RANKS"].split(",")
-    nanochat_cpu.train.cpu_has_native_bf16 = lambda: os.environ.get("RANK", "0") in native
+    nanochat_cpu.startup.cpu_has_native_bf16 = lambda: os.environ.get("RANK", "0") in native
 
 nanochat_cpu.train.main()

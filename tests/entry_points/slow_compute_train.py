@@ -19,7 +19,7 @@ import inspect
 import os
 import time
 
-from nanochat_cpu import train
+from nanochat_cpu import sync_diloco, train
 
 _real_accumulate = train.accumulate_gradients
 
@@ -58,7 +58,7 @@ def slow_wire_step(self) -> None:
 if _wire_s:
     train.MuonAdamW.step = slow_wire_step
 
-_real_exchange = train.DiLoCo._exchange
+_real_exchange = sync_diloco.DiLoCo._exchange
 _outer_wire_s = float(os.environ.get("OUTER_WIRE_S", "0"))
 
 
@@ -69,5 +69,5 @@ def slow_exchange(self, group):
 
 
 if _outer_wire_s:
-    train.DiLoCo._exchange = slow_exchange
+    sync_diloco.DiLoCo._exchange = slow_exchange
 train.main()
