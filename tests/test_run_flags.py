@@ -1,0 +1,105 @@
+"""The trainer's argv a train.yml run gets from its settings, pinned.
+
+The role's `validate` builds the flags and `node_args` adds the node's paths; the unit's env file
+carries the result as TRAIN_ARGS, which systemd splits at whitespace. These argvs were taken from
+the role as it was before the flags were built in Python, for settings that reach every branch
+(defaults, each work split, total_batch_size auto and given, extra flags, extra-vars given as
+JSON numbers): a change that moves, drops or rewords one flag shows here.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tests.test_roles import LOCALHOST_INV, ROOT, env, tool
+
+# node_args' inputs that come from cluster_facts on a real node
+NODE_FACTS = {
+    "cluster_facts_paths": {"data_dir": "/d", "tokenizer_dir": "/t", "runs_dir": "/r"},
+    "cluster_facts_mlflow_server": True,
+    "cluster_facts_master_addr": "10.0.0.1",
+    "cluster_facts_ports": {"mlflow": 5000},
+}
+
+SHOW = """- hosts: localhost
+  gather_facts: false
+  tasks:
+    - ansible.builtin.import_role:
+        name: run
+        tasks_from: validate
+    - ansible.builtin.import_role:
+        name: run
+        tasks_from: node_args
+    - ansible.builtin.copy:
+        content: '{{ run_config_node_train_args | trim }}'
+        dest: %s
+        mode: '0644'
+"""
+
+DEFAULT_FLAGS = (
+    "--device cpu --dtype auto --compile auto --depth 4 --max-seq-len 512 --device-batch-size 2 "
+    "--total-batch-size {total} --num-iterations 200 --eval-every 100 --eval-tokens 16384 --sample-every 100 "
+    "--checkpoint-every 50 --resume auto --seed 42 --run-name d4 --packing bestfit --sync-every auto "
+    "--outer-lr 1.0 --outer-momentum 0.0 --outer-overlap auto --sync-warmup-ratio 0.05 "
+    "--grad-comm-dtype bfloat16 --param-comm-dtype bfloat16 --rank-batch-sizes {split}"
+)
+NODE_FLAGS = " --data-dir /d --tokenizer-dir /t --out-dir /r/{run} --tracking-uri http://10.0.0.1:5000"
+
+CASES = {
+    "defaults": ({}, [], DEFAULT_FLAGS.format(total=2048, split="auto") + NODE_FLAGS.format(run="d4")),
+    "inventory split, total given, extra flags": (
+        {"workstation": 3, "laptop": 1},
+        ["-e", "work_split=inventory", "-e", "total_batch_size=8192",
+         "-e", "train_extra_args='--collective-timeout 60 --matrix-lr 0.01'"],
+        DEFAULT_FLAGS.format(total=8192, split="3,1") + " --collective-timeout 60 --matrix-lr 0.01"
+        + NODE_FLAGS.format(run="d4"),
+    ),
+    "inventory split, total auto": (
+        {"workstation": 2, "laptop": 1},
+        ["-e", "work_split=inventory"],
+        DEFAULT_FLAGS.format(total=1536, split="2,1") + NODE_FLAGS.format(run="d4"),
+    ),
+    "even split, every setting given": (
+        {},
+        ("-e work_split=even -e depth=8 -e max_seq_len=256 -e device_batch_size=4 -e num_iterations=500 "
+         "-e eval_every=-1 -e sample_every=0 -e checkpoint_every=0 -e eval_tokens=8192 -e dtype=float32 "
+         "-e compile=off -e resume=never -e seed=7 -e packing=stream -e sync_every=8 -e outer_lr=0.7 "
+         "-e outer_momentum=0.9 -e outer_overlap=on -e sync_warmup_ratio=0 -e grad_comm_dtype=float32 "
+         "-e param_comm_dtype=float32 -e run_name=pinned").split(),
+        "--device cpu --dtype float32 --compile off --depth 8 --max-seq-len 256 --device-batch-size 4 "
+        "--total-batch-size 2048 --num-iterations 500 --eval-every -1 --eval-tokens 8192 --sample-every 0 "
+        "--checkpoint-every 0 --resume never --seed 7 --run-name pinned --packing stream --sync-every 8 "
+        "--outer-lr 0.7 --outer-momentum 0.9 --outer-overlap on --sync-warmup-ratio 0 --grad-comm-dtype float32 "
+        "--param-comm-dtype float32" + NODE_FLAGS.format(run="pinned"),
+    ),
+    "extra-vars as JSON numbers": (
+        {},
+        ["-e", json.dumps({"depth": 6, "outer_lr": 0.5, "total_batch_size": 4096, "train_device": "cpu",
+                           "sync_every": 1, "seed": 0})],
+        DEFAULT_FLAGS.format(total=4096, split="auto").replace("--depth 4", "--depth 6")
+        .replace("--seed 42", "--seed 0").replace("--run-name d4", "--run-name d6")
+        .replace("--sync-every auto", "--sync-every 1").replace("--outer-lr 1.0", "--outer-lr 0.5")
+        + NODE_FLAGS.format(run="d6"),
+    ),
+}
+
+
+@pytest.mark.parametrize(("rows", "extra", "expect"), CASES.values(), ids=list(CASES))
+def test_the_unit_gets_the_same_argv(tmp_path: Path, rows: dict[str, int], extra: list[str], expect: str) -> None:
+    (tmp_path / "localhost.yml").write_text(LOCALHOST_INV)
+    (tmp_path / "rows.yml").write_text("all:\n  hosts:\n" + "".join(
+        f"    {host}: {{train_rows: {value}}}\n" for host, value in rows.items()))
+    (tmp_path / "show.yml").write_text(SHOW % (tmp_path / "train_args"))
+    res = subprocess.run(
+        [tool("ansible-playbook"), "-i", "inventory/example", "-i", str(tmp_path / "localhost.yml"), "-i",
+         str(tmp_path / "rows.yml"), str(tmp_path / "show.yml"), "-e", json.dumps(NODE_FACTS), *extra],
+        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300,
+    )
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-2000:]
+    train_args = (tmp_path / "train_args").read_text()
+    assert "\n" not in train_args, repr(train_args)
+    assert train_args.split() == expect.split()
