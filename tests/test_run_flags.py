@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -103,3 +104,88 @@ def test_the_unit_gets_the_same_argv(tmp_path: Path, rows: dict[str, int], extra
     train_args = (tmp_path / "train_args").read_text()
     assert "\n" not in train_args, repr(train_args)
     assert train_args.split() == expect.split()
+
+
+# ---- the same in Python: nanochat_cpu.config.run_args, no Ansible -------------------------------
+
+SETTINGS = {  # validate's defaults for the example inventory's two one-rank nodes
+    "run_name": "d4", "depth": 4, "max_seq_len": 512, "device_batch_size": 2, "total_batch_size": "auto",
+    "num_iterations": 200, "eval_every": 100, "eval_tokens": 16384, "sample_every": 100, "checkpoint_every": 50,
+    "train_device": "", "dtype": "auto", "compile": "auto", "resume": "auto", "seed": 42, "packing": "bestfit",
+    "work_split": "auto", "sync_every": "auto", "outer_lr": 1.0, "outer_momentum": 0.0, "outer_overlap": "auto",
+    "sync_warmup_ratio": 0.05, "grad_comm_dtype": "bfloat16", "param_comm_dtype": "bfloat16", "extra_args": "",
+    "device": "cpu", "train_rows": [2, 2], "nproc_per_node": [1, 1],
+}
+
+
+def test_every_run_flag_is_a_trainer_flag() -> None:
+    from nanochat_cpu import config
+
+    fields = {f.name for f in config.dataclasses.fields(config.TrainConfig)}
+    assert set(config.RUN_FLAGS) <= fields
+
+
+def test_run_args_builds_the_pinned_argv() -> None:
+    from nanochat_cpu.config import run_args
+
+    assert run_args(SETTINGS) == {"ok": True, "argv": DEFAULT_FLAGS.format(total=2048, split="auto").split()}
+    inventory = {**SETTINGS, "work_split": "inventory", "train_rows": ["2", "1"], "extra_args": " --seed 3 "}
+    assert run_args(inventory)["argv"] == (DEFAULT_FLAGS.format(total=1536, split="2,1") + " --seed 3").split()
+    even = run_args({**SETTINGS, "work_split": "even", "nproc_per_node": [2, 1]})["argv"]
+    assert "--rank-batch-sizes" not in even and even[even.index("--total-batch-size") + 1] == "3072"
+
+
+@pytest.mark.parametrize(
+    ("change", "said"),
+    [
+        ({"depth": "eight"}, "depth=eight must be a positive integer (number of transformer blocks); pass e.g. "
+                             "-e depth=8"),
+        ({"dtype": "fp16"}, "dtype=fp16 must be one of: auto, float32, bfloat16 (-e dtype=auto)"),
+        ({"total_batch_size": "3000", "device_batch_size": "1", "max_seq_len": "256"},
+         "total_batch_size=3000 must be auto or a positive multiple of device_batch_size x max_seq_len x world_size "
+         "= 1 x 256 x 2 = 512 (world_size = nproc_per_node summed over the 2 nodes). Nearest valid "
+         "total_batch_size: 2560 or 3072 (-e total_batch_size=2560), or change device_batch_size / max_seq_len."),
+        ({"total_batch_size": "1000", "max_seq_len": "256", "work_split": "inventory", "train_rows": ["3", "1"]},
+         "total_batch_size=1000 must be auto or a positive multiple of the sum of every rank's train_rows x "
+         "max_seq_len = 3+1 x 256 = 1024 (world_size = nproc_per_node summed over the 2 nodes). Nearest valid "
+         "total_batch_size: 1024 (-e total_batch_size=1024), or change device_batch_size / max_seq_len."),
+        ({"extra_args": "--matrix-lr fast"}, "the trainer rejects its flags: argument --matrix-lr: invalid float "
+                                             "value: 'fast'. Fix: correct train_extra_args (--matrix-lr fast) or the "
+                                             "extra-var that sets the flag"),
+        ({"extra_args": "--device tpu"}, "the trainer rejects its flags: argument --device: invalid choice: 'tpu'"),
+        ({"sync_every": 1, "outer_overlap": "on"}, "outer_overlap=on overlaps the outer syncs of local steps: it "
+                                                   "needs --sync-every above 1 or auto ("),
+        ({"seed": "4\n5"}, "seed='4\\n5' holds a line break, which would cut the unit's flags short"),
+    ],
+)
+def test_run_args_words_the_problem_in_extra_vars(change: dict[str, object], said: str) -> None:
+    from nanochat_cpu.config import run_args
+
+    verdict = run_args({**SETTINGS, **change})
+    assert not verdict["ok"]
+    assert verdict["message"].startswith(said), verdict["message"]
+
+
+def test_the_problem_comes_with_the_field_s_help_and_an_example() -> None:
+    from nanochat_cpu.config import run_args
+
+    verdict = run_args({**SETTINGS, "sync_warmup_ratio": 1})
+    assert (verdict["field"], verdict["value"], verdict["example"]) == ("sync_warmup_ratio", "1.0", "0.05")
+    assert verdict["help"].startswith("with local steps (--sync-every above 1 or auto)")
+    assert verdict["flag_message"].startswith("--sync-warmup-ratio=1.0: must be in [0, 1)")
+
+
+def test_run_args_on_the_command_line_needs_no_torch() -> None:
+    """As validate runs it on the controller: one JSON line, exit 2 with the problem on stderr."""
+    code = ("import runpy, sys; sys.modules['torch'] = None; "
+            "runpy.run_module('nanochat_cpu.config', run_name='__main__')")
+    ok = subprocess.run([sys.executable, "-c", code, "run-args", json.dumps(SETTINGS)], cwd=ROOT,
+                        capture_output=True, text=True, timeout=60)
+    assert ok.returncode == 0, ok.stderr
+    assert json.loads(ok.stdout)["argv"][:2] == ["--device", "cpu"]
+    bad = subprocess.run([sys.executable, "-c", code, "run-args", json.dumps({**SETTINGS, "seed": -1})], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    said = "seed=-1 must be >= 0 (RNG seed (same on every rank)); pass e.g. -e seed=42"
+    assert json.loads(bad.stdout)["message"] == said
+    assert "seed=-1 must be >= 0" in bad.stderr
