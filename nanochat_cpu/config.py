@@ -3,9 +3,9 @@
 `--max-seq-len` on the command line is `max_seq_len` here. The parser is generated from the
 dataclass so the two can never drift apart. Validation that needs no process group (batch
 arithmetic, ranges, paths) happens here, before rendezvous, so a bad value fails every rank
-at once with a message instead of leaving some rank waiting in a collective. train.yml runs the
-same parser and checks on the controller (`python -m nanochat_cpu.config check`, at the end), so
-this module imports no torch.
+at once with a message instead of leaving some rank waiting in a collective. train.yml has this
+module build a run's flags from its settings and judge them with the same parser and checks on the
+controller (`python -m nanochat_cpu.config run-args`, at the end), so it imports no torch.
 """
 
 from __future__ import annotations
@@ -458,9 +458,9 @@ def config_hash(cfg: TrainConfig) -> str:
 
 
 # ---- python -m nanochat_cpu.config check <trainer flags> ----------------------------------
-# train.yml runs this on the controller before any node is contacted: the trainer's own parser and
-# validate(), so the playbook never keeps a second copy of the rules. This module imports no torch:
-# the controller needs only the checkout.
+# The trainer's own parser and validate() on flags, as the controller runs them (through run-args,
+# below) before any node is contacted, so the playbook never keeps a second copy of the rules. This
+# module imports no torch: the controller needs only the checkout.
 
 def check(argv: list[str], world_size: int) -> dict[str, Any]:
     """The verdict on trainer flags: {"ok": True}, or the problem with its parts (see ConfigError)."""

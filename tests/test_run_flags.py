@@ -10,6 +10,7 @@ JSON numbers): a change that moves, drops or rewords one flag shows here.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -189,3 +190,42 @@ def test_run_args_on_the_command_line_needs_no_torch() -> None:
     said = "seed=-1 must be >= 0 (RNG seed (same on every rank)); pass e.g. -e seed=42"
     assert json.loads(bad.stdout)["message"] == said
     assert "seed=-1 must be >= 0" in bad.stderr
+
+
+# ---- the one table of defaults (docs/INVENTORY.md) ----------------------------------------------
+
+def defaults_table() -> dict[str, list[str]]:
+    """docs/INVENTORY.md's table of the run's defaults: extra-var -> [flag, trainer, train.yml, why]."""
+    text = (ROOT / "docs/INVENTORY.md").read_text()
+    table = text.split("| extra-var | trainer flag | trainer default | train.yml default |", 1)[1].split("\n\n")[0]
+    rows = {}
+    for line in table.splitlines()[2:]:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        rows[cells[0].strip("`")] = cells[1:]
+    return rows
+
+
+def role_defaults() -> dict[str, str | None]:
+    """Each run_config_* extra-var and its default in roles/run/defaults/main.yml (None: an expression)."""
+    text = (ROOT / "roles/run/defaults/main.yml").read_text()
+    found = re.findall(r'^run_config_\w+: "\{\{ (\w+) \| default\((.*)\) \}\}"$', text, re.MULTILINE)
+    return {name: value.strip("'") if re.fullmatch(r"'[^']*'|[\w.]+", value) else None for name, value in found}
+
+
+def test_the_defaults_table_names_every_flag_a_run_sets_with_both_defaults() -> None:
+    """Both defaults as the code has them, and a reason wherever they differ."""
+    from nanochat_cpu import config
+
+    table, role = defaults_table(), role_defaults()
+    assert set(role) <= set(table), f"extra-vars of the run role missing from the table: {set(role) - set(table)}"
+    flags = {cells[0].strip("`"): extra_var for extra_var, cells in table.items()}
+    assert {"--" + name.replace("_", "-") for name in config.RUN_FLAGS} <= set(flags)
+    trainer_defaults = {f.name: f.default for f in config.dataclasses.fields(config.TrainConfig)}
+    for flag, extra_var in flags.items():
+        field = flag.removeprefix("--").replace("-", "_")
+        trainer, ours, why = table[extra_var][1:]
+        if field in trainer_defaults and trainer.startswith("`"):
+            assert trainer == f"`{trainer_defaults[field]}`", (extra_var, trainer)
+        if role.get(extra_var) is not None and re.fullmatch(r"`[^`]*`", ours):
+            assert ours.strip('`"') == role[extra_var], (extra_var, ours, role[extra_var])
+        assert trainer == ours or why, f"{extra_var}: the defaults differ and the table does not say why"
