@@ -98,8 +98,19 @@ def test_defaults_and_argument_specs_name_the_same_options(role: str) -> None:
         assert name.startswith(role + "_"), f"roles/{role}: option {name} lacks the role prefix"
     used = "".join(p.read_text() for sub in ("tasks", "templates", "handlers")
                    for p in sorted((ROLES_DIR / role / sub).glob("*")))
-    unused = sorted(name for name in defaults if name not in used)
+    unused = sorted(name for name in defaults if name not in used and name not in read_by_run_args(role))
     assert not unused, f"roles/{role}: options no task, template or handler reads: {unused}"
+
+
+def read_by_run_args(role: str) -> set[str]:
+    """The run role's validate passes its options by name to `python -m nanochat_cpu.config run-args`,
+    which reads those that name a trainer flag or a run input (run_config_depth is depth)."""
+    if role != "run":
+        return set()
+    from nanochat_cpu import config
+
+    options = entry_points("run")["validate"]["options"]
+    return {name for name in options if name.removeprefix("run_config_") in {*config.RUN_FLAGS, *config.RUN_INPUTS}}
 
 
 README_SECTIONS = ("## Variables", "## Example", "## What it changes on the node")
