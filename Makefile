@@ -19,7 +19,7 @@ DEPTH ?= 4
 ITERATIONS ?= 50
 # Inner steps between the nodes' outer syncs: 1 (synchronous every step), H or auto (local steps
 # where the link is slow: the demo's three nodes, one on 100 Mbit/s, at 1.38-1.61x node0 alone where
-# synchronous steps make 0.25x; docs/BENCHMARKS.md).
+# synchronous steps make 0.25x; docs/TRAINER.md, "Local steps across nodes").
 SYNC_EVERY ?= auto
 # Tokens per step: 24 rows of 512, enough for the speed split to give node0 twice a laptop's rows.
 BATCH ?= 12288

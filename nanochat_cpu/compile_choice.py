@@ -42,7 +42,7 @@ from .config import cxx_compiler, cxx_name
 from .perf import available_memory_mib, peak_rss_mib
 
 TIMED_STEPS = 3
-# A cold compile of the model on a 2-core CPU: 30-70 s measured at depth 4-8 (docs/BENCHMARKS.md),
+# A cold compile of the model on a 2-core CPU: 30-70 s measured at depth 4-8 (docs/TRAINER.md, "Compiled or eager"),
 # taken high so that a run too short to gain is not made to compile
 COLD_COMPILE_S = 90.0
 PAYBACK = 10  # compile only where the rest of the run is at least 10 compiles long

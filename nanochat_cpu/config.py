@@ -28,8 +28,9 @@ PER_HOST_FIELDS = frozenset(
 )
 
 # --sync-warmup-ratio's default: at depth 4 and 2M tokens, H = 32 after 5% synchronous steps ended
-# 0.11% below synchronous steps' val bpb (docs/BENCHMARKS.md); each synchronous step costs a slow
-# link's whole-model traffic, so the warm-up is kept to what the quality needs
+# 0.11% below synchronous steps' val bpb (docs/TRAINER.md, "Local steps across nodes"); each
+# synchronous step costs a slow link's whole-model traffic, so the warm-up is kept to what the
+# quality needs
 SYNC_WARMUP_RATIO = 0.05
 
 
@@ -115,7 +116,8 @@ class TrainConfig:
                           "(DiLoCo); auto = the H at which waiting on the wire is at most 5 percent of the wall time, "
                           "from the first outer sync's measured seconds"},
     )
-    # defaults: plain averaging, which beat DiLoCo's published 0.7 / 0.9 at H 8 and 32 (docs/BENCHMARKS.md)
+    # defaults: plain averaging, which beat DiLoCo's published 0.7 / 0.9 at H 8 and 32
+    # (docs/TRAINER.md, "Local steps across nodes")
     outer_lr: float = field(default=1.0, metadata={"help": "outer SGD LR on the nodes' averaged pseudo-gradient "
                                                            "(1 with momentum 0: the nodes' token-weighted average)"})
     outer_momentum: float = field(default=0.0, metadata={"help": "outer Nesterov momentum, in [0, 1)"})

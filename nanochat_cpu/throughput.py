@@ -24,8 +24,8 @@ a cluster on a slow link: the break-even T is where the two lines cross.
 With local steps a node runs its optimizer on the whole model every inner step, for its share of
 the batch, where alone it would run it once for all of it. On a slow link, once auto's H has made
 the wire a small share, that is much of what is left (10 Mbit/s, depth 8: 22% of a node's inner
-step, docs/BENCHMARKS.md), and the lever is more tokens per node per inner step:
-`local_optimizer_hint` names the batch.
+step; docs/TRAINER.md, "Is the cluster faster than one node?"), and the lever is more tokens per
+node per inner step: `local_optimizer_hint` names the batch.
 """
 
 from __future__ import annotations
