@@ -28,27 +28,25 @@ step waits for it before writing its own checkpoint with every rank waiting.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import threading
 import time
-from typing import TYPE_CHECKING
 
 import torch.distributed as dist
 
-from .checkpoint import Disks, Snapshot, write_checkpoint
+from .checkpoint import Snapshot, write_checkpoint
+from .checkpoint_transfer import Disks
 from .dist import EXIT_COLLECTIVE, DistEnv, Watchdog, fail, log
-
-if TYPE_CHECKING:
-    from .config import TrainConfig
 
 
 class BackgroundCheckpoints:
-    def __init__(self, cfg: TrainConfig, env: DistEnv, disks: Disks, watchdog: Watchdog):
+    def __init__(self, env: DistEnv, disks: Disks, watchdog: Watchdog, collective_timeout: float):
         """Collective: every rank builds the process group the thread's collectives go on."""
-        self.cfg, self.env = cfg, env
+        self.env = env
         with watchdog.phase("new process group for background checkpoints", 0):
-            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.collective_timeout))
-        self.disks = Disks(disks.disk_of_rank, disks.node_of_rank, group)
+            group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=collective_timeout))
+        self.disks = dataclasses.replace(disks, group=group)
         self.watchdog = Watchdog(env, watchdog.bound_s)  # a phase of its own: the loop's watchdog keeps the loop's
         self.thread: threading.Thread | None = None
         self.writing: int | None = None  # the step being written
@@ -66,7 +64,7 @@ class BackgroundCheckpoints:
 
     def _write(self, snap: Snapshot, t0: float) -> None:
         try:
-            self.took = snap.step, write_checkpoint(self.cfg, self.env, self.disks, snap, self.watchdog,
+            self.took = snap.step, write_checkpoint(self.env, self.disks, snap, self.watchdog,
                                                     how=", in the background of the inner steps")
         except BaseException as exc:  # noqa: BLE001 - a thread's error would otherwise only be printed
             fail(self.env, EXIT_COLLECTIVE, f"checkpoint step {snap.step}, written in the background, failed after "

@@ -159,7 +159,7 @@ def check_run(train_flags: str, world_size: int, first_rank: int) -> list[str]:
 def run_input_problems(cfg, world_size: int, first_rank: int) -> list[str]:
     import torch
 
-    from . import checkpoint
+    from . import checkpoint, checkpoint_files
     from .data import check_dataset, sha256_file
     from .model import GPT, model_config_from
     from .run_state import RunState
@@ -170,13 +170,13 @@ def run_input_problems(cfg, world_size: int, first_rank: int) -> list[str]:
         tok = Tokenizer.load(cfg.tokenizer_dir)
     except Exception as exc:  # noqa: BLE001 - any load failure is the user's to fix
         return problems + [f"--tokenizer-dir={cfg.tokenizer_dir}: cannot load tokenizer.json: {exc}"]
-    steps = checkpoint.complete_steps(cfg.out_dir)
+    steps = checkpoint_files.complete_steps(cfg.out_dir)
     if steps and cfg.resume == "never":  # the trainer would refuse it too: a fresh run would mix with them
         return problems + [f"--resume never, but {cfg.out_dir} holds this run's checkpoints (steps {steps}). Fix: "
                            f"a new run_name for a new run, or resume auto to go on with this one"]
     if not steps:
         return problems
-    where = checkpoint.step_dir(cfg.out_dir, steps[-1])
+    where = checkpoint_files.step_dir(cfg.out_dir, steps[-1])
     try:  # mmap: only the few small entries read are paged in
         # a checkpoint holds every rank of the world that wrote it (an older one only its node's)
         mine = os.path.join(where, f"rank{first_rank}.pt")

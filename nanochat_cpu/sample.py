@@ -19,7 +19,7 @@ from typing import TextIO
 
 import torch
 
-from .checkpoint import list_steps, load_model_state, read_marker, step_dir
+from .checkpoint_files import list_steps, load_model_state, read_marker, step_dir
 from .config import parser_for
 from .dist import EXIT_CONFIG
 from .model import GPT, ModelConfig

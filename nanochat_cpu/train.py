@@ -28,6 +28,8 @@ import torch.distributed as dist
 
 from . import checkpoint
 from .checkpoint_background import BackgroundCheckpoints
+from .checkpoint_files import step_dir
+from .checkpoint_transfer import Disks, find_disks
 from .compile_choice import CompileChoice
 from .config import NEVER, TrainConfig, grad_accum_steps, parse_config
 from .dataloader import TokenLoader
@@ -201,7 +203,7 @@ class Training:
     loader: TokenLoader
     tracker: Tracker
     plan: SteppingPlan
-    disks: checkpoint.Disks
+    disks: Disks
     background: BackgroundCheckpoints | None  # with local steps: checkpoints cross while the inner steps go on
     compiling: CompileChoice
     ctx: Any  # the forward passes' autocast
@@ -219,22 +221,27 @@ class Training:
     waited: tuple[int, float] | None = None  # the last checkpoint every rank waited for: its step, seconds
 
 
+def resume_terms(cfg: TrainConfig, ranks: Ranks) -> checkpoint.ResumeTerms:
+    return checkpoint.ResumeTerms(cfg.tokenizer_dir, ranks.tokenizer_sha, ranks.tokenizer.vocab_size, cfg.depth,
+                                  cfg.packing, cfg.data_dir)
+
+
 def build(cfg: TrainConfig, ranks: Ranks) -> Training:
     env, watchdog, tokenizer = ranks.env, ranks.watchdog, ranks.tokenizer
     # ---- model and optimizer, resumed from the newest checkpoint any node holds --------------------
     model = build_model(cfg, env, tokenizer.vocab_size)
-    disks = checkpoint.find_disks(cfg, env, watchdog)
+    disks = find_disks(cfg.out_dir, cfg.keep_checkpoints, cfg.collective_timeout, env, watchdog)
     plan = SteppingPlan.open(cfg, env, watchdog)
     # with local steps the wire is idle between outer syncs: checkpoints cross it then
-    background = BackgroundCheckpoints(cfg, env, disks, watchdog) if plan.nodes else None
-    found = checkpoint.find_resume_step(cfg, env, disks, watchdog)
+    background = BackgroundCheckpoints(env, disks, watchdog, cfg.collective_timeout) if plan.nodes else None
+    found = checkpoint.find_resume_step(cfg.resume, env, disks, watchdog)
     local_now = plan.resume(found)
     opt = setup_optimizer(cfg, env, model, ranks.muon_dtype, watchdog, plan.nodes if local_now else None)
     fpt = flops_per_token(model)
     if env.master:
         log_parameters(env, cfg, model, fpt)
-    start_step, loader_state, saved = checkpoint.resume(cfg, env, disks, model, opt, found, ranks.tokenizer_sha,
-                                                        tokenizer.vocab_size, watchdog, local_steps=local_now)
+    start_step, loader_state, saved = checkpoint.resume(env, disks, model, opt, found, resume_terms(cfg, ranks),
+                                                        watchdog, local_steps=local_now)
 
     # ---- work split, data, tracking --------------------------------------------------------------
     ctx = autocast_for(env.device, ranks.ctx_dtype)
@@ -395,10 +402,10 @@ def save(t: Training, step: int, final: bool) -> None:
         t.background.wait(step)
     if t.background is not None and t.plan.local and not final:
         t.background.start(checkpoint.take_snapshot(env, t.disks, t.model, t.opt, t.loader, step, state,
-                                                    copy_weights=True))
+                                                    t.cfg.tokenizer_dir, copy_weights=True))
     else:
-        t.waited = step, checkpoint.save_checkpoint(t.cfg, env, t.disks, t.model, t.opt, t.loader, step,
-                                                    t.ranks.watchdog, state)
+        t.waited = step, checkpoint.save_checkpoint(env, t.disks, t.model, t.opt, t.loader, step, t.ranks.watchdog,
+                                                    state, t.cfg.tokenizer_dir)
     t.tracker.flush()
 
 
@@ -420,12 +427,11 @@ def start_local_steps(t: Training, step: int) -> None:
     cfg, env, watchdog = t.cfg, t.ranks.env, t.ranks.watchdog
     t.opt = None  # the synchronous optimizer's memory goes before the nodes' own is built
     t.opt = setup_optimizer(cfg, env, t.model, t.ranks.muon_dtype, watchdog, t.plan.nodes)
-    everyone = checkpoint.survey(cfg, env, t.disks, watchdog)
-    _, saved, _ = checkpoint.load_checkpoint(cfg, env, t.disks, t.model, t.opt, step, everyone,
-                                             t.ranks.tokenizer_sha, t.ranks.tokenizer.vocab_size, watchdog,
-                                             local_steps=True)
+    everyone = checkpoint.survey(env, t.disks, watchdog)
+    _, saved, _ = checkpoint.load_checkpoint(env, t.disks, t.model, t.opt, step, everyone, resume_terms(cfg, t.ranks),
+                                             watchdog, local_steps=True)
     log(env, f"synchronous warm-up done at step {step} (--sync-warmup-ratio {cfg.sync_warmup_ratio}): every node "
-             f"continues the optimizer state of checkpoint {checkpoint.step_dir(cfg.out_dir, step)}")
+             f"continues the optimizer state of checkpoint {step_dir(cfg.out_dir, step)}")
     t.plan.start_local(t.model, t.opt, t.sizes, saved, step)
     t.loss_scale = t.plan.loss_scale(t.sizes, t.accum)
 

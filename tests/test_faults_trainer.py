@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanochat_cpu import checkpoint, config, data, tokenizer
+from nanochat_cpu import checkpoint_files, config, data, tokenizer
 from nanochat_cpu.compile_choice import resolve_compile
 from tests.trainer_runs import (
     ENTRY_POINTS,
@@ -98,7 +98,7 @@ def trained_run(tiny_data_dir, tiny_tokenizer_dir, tmp_path_factory) -> tuple[Pa
     out = tmp_path_factory.mktemp("trained") / "run"
     proc = run_torchrun(2, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, out)))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert checkpoint.complete_steps(str(out)) == [4, 8, 12]
+    assert checkpoint_files.complete_steps(str(out)) == [4, 8, 12]
     return out, proc.stdout
 
 
@@ -138,7 +138,7 @@ def test_sigkill_mid_checkpoint_write_keeps_previous_and_resume_reaches_the_end(
 
     # what the kill left: step 4 sealed, step 8 half-written (a partial temp file, no COMPLETE)
     ck = out / "checkpoints"
-    assert checkpoint.complete_steps(str(out)) == [4]
+    assert checkpoint_files.complete_steps(str(out)) == [4]
     partial = [p.name for p in (ck / "step_000008").iterdir()]
     assert "COMPLETE" not in partial and any(n.startswith("model.pt.tmp.") for n in partial), partial
     # a second, hand-made wreck newer than anything: truncated model.pt, no marker
@@ -156,7 +156,7 @@ def test_sigkill_mid_checkpoint_write_keeps_previous_and_resume_reaches_the_end(
     assert sorted(after) == list(range(5, 13))
     for step in range(5, 9):  # step 4's checkpoint reproduces what the killed run computed next
         assert after[step] == pytest.approx(before[step], abs=1e-4), (step, after[step], before[step])
-    assert checkpoint.complete_steps(str(out)) == [4, 8, 12]
+    assert checkpoint_files.complete_steps(str(out)) == [4, 8, 12]
     assert not wreck.exists()  # stale wrecks older than the newest complete checkpoint are pruned
 
 
@@ -173,7 +173,7 @@ def test_disk_full_during_checkpoint_names_the_cause_and_keeps_previous(tiny_dat
     assert "FATAL: cannot write checkpoint step 8 under" in proc.stdout
     assert "No space left on device" in proc.stdout and "newest complete: 4" in proc.stdout
     assert "free space on" in proc.stdout
-    assert checkpoint.complete_steps(str(out)) == [4]
+    assert checkpoint_files.complete_steps(str(out)) == [4]
     # the partial temp file was removed (its space given back); step 4 is whole
     assert not [p for p in (out / "checkpoints" / "step_000008").iterdir() if ".tmp." in p.name]
     torch.load(out / "checkpoints" / "step_000004" / "model.pt", weights_only=True)
@@ -190,9 +190,9 @@ def test_a_really_full_disk_is_named_not_reported_as_a_zip_error(tmp_path):
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "faults-test", str(small)], check=True)
     try:
         with pytest.raises(OSError, match="No space left on device"):
-            checkpoint.atomic_torch_save({"w": torch.zeros(1 << 20)}, str(small / "model.pt"))
+            checkpoint_files.atomic_torch_save({"w": torch.zeros(1 << 20)}, str(small / "model.pt"))
         assert list(small.iterdir()) == []
-        checkpoint.atomic_torch_save({"w": torch.arange(4)}, str(small / "model.pt"))  # fits: written whole
+        checkpoint_files.atomic_torch_save({"w": torch.arange(4)}, str(small / "model.pt"))  # fits: written whole
         assert torch.equal(torch.load(small / "model.pt")["w"], torch.arange(4))
     finally:
         subprocess.run(["umount", str(small)], check=True)
@@ -213,7 +213,7 @@ def test_disk_full_on_one_node_stops_every_rank_naming_it(tiny_data_dir, tiny_to
         assert code == config_exit(), out
         assert "FATAL: rank 1@" in out and "cannot write checkpoint step 8" in out, out
         assert "No space left on device" in out and "newest complete: 4" in out, out
-        assert checkpoint.complete_steps(str(tmp_path / f"node{rank}")) == [4]
+        assert checkpoint_files.complete_steps(str(tmp_path / f"node{rank}")) == [4]
     assert time.monotonic() - t0 < 120
 
 def test_disk_full_while_a_checkpoint_crosses_in_the_background_stops_every_rank_naming_it(tiny_data_dir,
@@ -233,7 +233,7 @@ def test_disk_full_while_a_checkpoint_crosses_in_the_background_stops_every_rank
         assert code == config_exit(), out
         assert "FATAL: rank 1@" in out and "cannot write checkpoint step 8" in out, out
         assert "No space left on device" in out and "newest complete: 4" in out, out
-        assert checkpoint.complete_steps(str(tmp_path / f"node{rank}")) == [4]
+        assert checkpoint_files.complete_steps(str(tmp_path / f"node{rank}")) == [4]
 
 
 def test_a_disk_that_stops_answering_in_a_checkpoint_is_named_within_the_watchdogs_bound(tiny_data_dir,
@@ -259,7 +259,7 @@ def test_a_disk_that_stops_answering_in_a_checkpoint_is_named_within_the_watchdo
     assert stalled and int(stalled.group(1)) >= 35 and code1 == collective_exit(), out1
     assert code0 == collective_exit() and "FATAL" in out0 and "rank 1@" in out0, out0
     for rank in range(2):
-        assert checkpoint.complete_steps(str(tmp_path / f"node{rank}")) == [4]
+        assert checkpoint_files.complete_steps(str(tmp_path / f"node{rank}")) == [4]
 
 
 def test_a_one_process_watchdog_bounds_a_stalled_write_not_a_slow_one(tmp_path):
@@ -290,13 +290,13 @@ def test_a_one_process_watchdog_bounds_a_stalled_write_not_a_slow_one(tmp_path):
 def test_a_checkpoint_file_reaches_the_disk_in_pieces_each_a_sign_of_progress(tmp_path, monkeypatch):
     """A big file is pushed to the disk (fdatasync) every SYNC_BYTES, and each piece counts as
     progress for the watchdog; the file lands whole, through either writer."""
-    monkeypatch.setattr(checkpoint, "SYNC_BYTES", 4096)
+    monkeypatch.setattr(checkpoint_files, "SYNC_BYTES", 4096)
     seen = []
     data = os.urandom(10 * 4096 + 123)
-    checkpoint.atomic_write_bytes(str(tmp_path / "rank0.pt"), data, lambda: seen.append("bytes"))
+    checkpoint_files.atomic_write_bytes(str(tmp_path / "rank0.pt"), data, lambda: seen.append("bytes"))
     assert (tmp_path / "rank0.pt").read_bytes() == data and len(seen) == 10
     weights = {"w": torch.randn(64, 64)}
-    checkpoint.atomic_torch_save(weights, str(tmp_path / "model.pt"), lambda: seen.append("torch"))
+    checkpoint_files.atomic_torch_save(weights, str(tmp_path / "model.pt"), lambda: seen.append("torch"))
     assert torch.equal(torch.load(tmp_path / "model.pt")["w"], weights["w"]) and seen.count("torch") >= 4
 
 
@@ -322,7 +322,7 @@ def test_a_checkpoint_that_takes_longer_than_the_collective_timeout_to_cross_sti
         saved = re.search(r"checkpoint step 2 saved to \S+ in ([0-9.]+)s; [0-9.]+ MiB of 2 ranks' states in (\d+) "
                           r"round\(s\)", out)
         assert saved and float(saved.group(1)) > 5 + 30 and int(saved.group(2)) >= 60, out
-        assert checkpoint.complete_steps(str(tmp_path / f"node{rank}")) == [2]
+        assert checkpoint_files.complete_steps(str(tmp_path / f"node{rank}")) == [2]
         assert "stuck" not in out and "FATAL" not in out, out
 
 

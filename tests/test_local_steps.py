@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from nanochat_cpu import checkpoint
+from nanochat_cpu import checkpoint_files
 from nanochat_cpu.outer_policy import AUTO_FIRST_PHASE
 from tests.entry_points.local_steps_worker import OUTER_LR, OUTER_MOMENTUM
 from tests.trainer_runs import (
@@ -556,7 +556,7 @@ def test_a_checkpoint_reaches_every_disk_while_the_inner_steps_go_on_and_a_kill_
     assert len(warnings) == 1 and warnings[0][0] == "8" and int(warnings[0][1]) >= 2 * int(warnings[0][2]), whole
     runs = [tmp_path / "a" / f"n{n}" for n in range(2)]
     for n in range(2):
-        assert checkpoint.complete_steps(str(runs[n])) == [4, 8, 12, 16]
+        assert checkpoint_files.complete_steps(str(runs[n])) == [4, 8, 12, 16]
     for f in (runs[0] / "checkpoints" / "step_000008").iterdir():
         assert f.read_bytes() == (runs[1] / "checkpoints" / "step_000008" / f.name).read_bytes(), f.name
     full = losses(whole)
@@ -569,7 +569,7 @@ def test_a_checkpoint_reaches_every_disk_while_the_inner_steps_go_on_and_a_kill_
     procs[1].wait(30)
     assert procs[0].wait(90) != 0
     for n in range(2):
-        assert checkpoint.complete_steps(str(tmp_path / "b" / f"n{n}")) == [4]
+        assert checkpoint_files.complete_steps(str(tmp_path / "b" / f"n{n}")) == [4]
     resumed = assert_ok(collect(start("b"), 240))
     assert "resumed from checkpoint step 4" in resumed, resumed
     again = losses(resumed)

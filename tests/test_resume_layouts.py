@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from nanochat_cpu import checkpoint
+from nanochat_cpu import checkpoint_files
 from nanochat_cpu.dist import EXIT_CONFIG, EXIT_STOPPED
 from nanochat_cpu.stop import StopBudget, shutdown_budget_s
 from tests.conftest import TINY_VOCAB
@@ -68,9 +68,9 @@ def trained_to_step_8(data: Path, tok: Path, run: Path) -> dict[int, float]:
     the run had stopped after step 8 (the same LR schedule as the 12-step run). Its losses."""
     whole = losses(ok(run_nodes(node_flags(data, tok, run, 2))))
     for r in range(2):
-        for path in sorted(Path(checkpoint.step_dir(str(run / f"node{r}"), 12)).rglob("*"), reverse=True):
+        for path in sorted(Path(checkpoint_files.step_dir(str(run / f"node{r}"), 12)).rglob("*"), reverse=True):
             path.unlink()
-        Path(checkpoint.step_dir(str(run / f"node{r}"), 12)).rmdir()
+        Path(checkpoint_files.step_dir(str(run / f"node{r}"), 12)).rmdir()
     return whole
 
 
@@ -117,8 +117,8 @@ def test_a_wiped_node_gets_the_checkpoint_back_and_the_run_repeats_exactly(tiny_
     # the same layout: the resumed run computes exactly what the uninterrupted one did
     assert losses(out) == pytest.approx({s: whole[s] for s in range(9, 13)}, abs=1e-4)
     # the other node's checkpoints survived; the wiped one holds the restored one and the new one
-    assert checkpoint.complete_steps(str(run / "node0")) == [4, 8, 12]
-    assert checkpoint.complete_steps(str(run / "node1")) == [8, 12]
+    assert checkpoint_files.complete_steps(str(run / "node0")) == [4, 8, 12]
+    assert checkpoint_files.complete_steps(str(run / "node1")) == [8, 12]
 
 
 def test_resume_never_over_a_run_is_refused_by_every_rank(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
@@ -161,7 +161,7 @@ def test_sigterm_on_one_node_stops_both_with_a_checkpoint_and_loses_no_step(tiny
     assert f"stopped by SIGTERM after step {stop} of 400" in seen + results[1][1]
     assert 3 <= stop < 400 and stopped_in < 60
     for node in ("node0", "node1"):
-        assert checkpoint.complete_steps(str(run / node)) == [stop], node
+        assert checkpoint_files.complete_steps(str(run / node)) == [stop], node
     out = ok(run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, num_iterations=stop + 2)))
     assert f"resumed from checkpoint step {stop}" in out
     assert sorted(losses(out)) == [stop + 1, stop + 2]  # zero steps lost
@@ -193,20 +193,20 @@ def test_prune_keeps_what_it_sealed_and_never_touches_newer_checkpoints(tmp_path
     layout = {"world_size": 1, "hosts": ["h"], "node_of_rank": [0]}
 
     def seal(step: int, keep: int = 2, where: str = out) -> None:
-        checkpoint.write_step_files(where, step, {"w": step}, [b"rank 0's state"])
-        checkpoint.mark_complete(where, step, layout, keep=keep)
+        checkpoint_files.write_step_files(where, step, {"w": step}, [b"rank 0's state"])
+        checkpoint_files.mark_complete(where, step, layout, keep=keep)
 
     seal(40)
-    (Path(checkpoint.step_dir(out, 50))).mkdir()  # an unsealed one, maybe being written
+    (Path(checkpoint_files.step_dir(out, 50))).mkdir()  # an unsealed one, maybe being written
     for step in (4, 8, 12):
         seal(step)
-    assert checkpoint.complete_steps(out) == [8, 12, 40]
-    assert checkpoint.list_steps(out) == [8, 12, 40, 50]
+    assert checkpoint_files.complete_steps(out) == [8, 12, 40]
+    assert checkpoint_files.list_steps(out) == [8, 12, 40, 50]
     # fewer checkpoints than --keep-checkpoints so far: every one of them stays
     fresh = str(tmp_path / "fresh")
     for step in (4, 8, 12, 16):
         seal(step, keep=5, where=fresh)
-    assert checkpoint.complete_steps(fresh) == [4, 8, 12, 16]
+    assert checkpoint_files.complete_steps(fresh) == [4, 8, 12, 16]
 
 
 def test_local_steps_stop_mid_phase_then_go_on_with_a_node_more(tiny_data_dir, tiny_tokenizer_dir, tmp_path):

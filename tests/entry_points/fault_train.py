@@ -19,9 +19,9 @@ import time
 
 import torch
 
-from nanochat_cpu import checkpoint
+from nanochat_cpu import checkpoint_files
 
-_real_save = checkpoint.atomic_torch_save
+_real_save = checkpoint_files.atomic_torch_save
 _target = (os.environ["FAULT_RANK"], f"step_{int(os.environ['FAULT_STEP']):06d}", os.environ["FAULT_FILE"])
 _mode = os.environ["FAULT_MODE"]
 
@@ -89,22 +89,22 @@ class _HalfFile:
         self.then()
 
 
-_real_write_bytes = checkpoint.atomic_write_bytes
+_real_write_bytes = checkpoint_files.atomic_write_bytes
 
 
 def sabotaged_write_bytes(path: str, data, *progress) -> None:
     """rank{r}.pt, written as the bytes the rank sent: the real atomic_write_bytes, its file cut half way."""
     if not _is_target(path):
         return _real_write_bytes(path, data, *progress)
-    checkpoint.open = lambda name, mode: _HalfFile(open(name, mode), _then)  # shadows the builtin there
+    checkpoint_files.open = lambda name, mode: _HalfFile(open(name, mode), _then)  # shadows the builtin there
     try:
         return _real_write_bytes(path, data, *progress)
     finally:
-        del checkpoint.open
+        del checkpoint_files.open
 
 
-checkpoint.atomic_torch_save = sabotaged_save
-checkpoint.atomic_write_bytes = sabotaged_write_bytes
+checkpoint_files.atomic_torch_save = sabotaged_save
+checkpoint_files.atomic_write_bytes = sabotaged_write_bytes
 
 from nanochat_cpu.train import main  # noqa: E402 - the patch must precede the import
 

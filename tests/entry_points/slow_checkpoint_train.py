@@ -11,10 +11,10 @@ collectives included, is the real trainer.
 import os
 import time
 
-from nanochat_cpu import checkpoint, train
+from nanochat_cpu import checkpoint_transfer, train
 
-checkpoint.CHUNK_BYTES = int(os.environ["CHUNK_BYTES"])
-_real_chunk = checkpoint.exchange_chunk
+checkpoint_transfer.CHUNK_BYTES = int(os.environ["CHUNK_BYTES"])
+_real_chunk = checkpoint_transfer.exchange_chunk
 _round_s = float(os.environ["ROUND_S"])
 
 
@@ -23,5 +23,5 @@ def slow_chunk(*args, **kwargs) -> None:
     time.sleep(_round_s)
 
 
-checkpoint.exchange_chunk = slow_chunk
+checkpoint_transfer.exchange_chunk = slow_chunk
 train.main()
