@@ -6,7 +6,7 @@ split, binary or non-text content, and exact copies teach the model one thing ov
 documents before they are written) and says what it found, a WARNING line for each finding over
 its threshold naming the document, the value, the threshold and the prepare option that fixes
 it. The options themselves (`drop_non_text`, `dedupe_documents`, `cap_long_documents`) and the
-choice of an honest val shard (`choose_val`) are here too; data.py calls them.
+choice of an honest val shard (`choose_val`) are here too; dataset_build.py calls them.
 """
 
 from __future__ import annotations

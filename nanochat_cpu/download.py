@@ -2,7 +2,7 @@
 
 `download(url, dest)` writes to `dest.part` and renames it into place only when the whole file
 arrived and its parquet footer reads back, so a half-downloaded shard never looks like a shard.
-The ClimbMix shard list and the manifest built from what arrived are `data.fetch`'s business.
+The ClimbMix shard list and the manifest built from what arrived are `dataset_build.fetch`'s business.
 """
 
 from __future__ import annotations

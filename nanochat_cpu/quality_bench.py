@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from . import data, tokenizer
+from . import dataset_build, tokenizer
 from .config import nearest_valid_totals
 
 REPO = Path(__file__).resolve().parent.parent
@@ -262,7 +262,7 @@ def prepare_data(args: argparse.Namespace) -> None:
     root = REPO / "build/quality-data"
     args.data_dir, args.tokenizer_dir = root / "data", root / "tokenizer"
     if not (args.data_dir / "manifest.json").exists():
-        data.corpus(args.data_dir)
+        dataset_build.corpus(args.data_dir)
     if not (args.tokenizer_dir / "tokenizer.json").exists():
         tokenizer.train(args.data_dir, VOCAB, args.tokenizer_dir)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from nanochat_cpu import data, tokenizer
+from nanochat_cpu import dataset_build, tokenizer
 
 TINY_DOCS = 2048  # 1792 train docs = 7 shards x 4 row groups of 64; val = 4 row groups of 64
 TINY_ROWS_PER_GROUP = 64
@@ -43,15 +43,15 @@ def english_like_docs(n: int, seed: int = 0) -> list[str]:
 
 
 def tiny_documents() -> list[str]:
-    files = data.fortune_files()
-    return data.collect_documents(files)[:TINY_DOCS] if files else english_like_docs(TINY_DOCS)
+    files = dataset_build.fortune_files()
+    return dataset_build.collect_documents(files)[:TINY_DOCS] if files else english_like_docs(TINY_DOCS)
 
 
 @pytest.fixture(scope="session")
 def tiny_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """8 shards (7 train + val), 4 row groups of 64 documents each, real English text."""
     out = tmp_path_factory.mktemp("tiny_data")
-    data.write_shards(
+    dataset_build.write_shards(
         tiny_documents(),
         out,
         rows_per_group=TINY_ROWS_PER_GROUP,

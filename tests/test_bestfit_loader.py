@@ -19,7 +19,7 @@ import pytest
 import torch
 from conftest import english_like_docs
 
-from nanochat_cpu import data
+from nanochat_cpu import data, dataset_build
 from nanochat_cpu.dataloader import TokenLoader, carry_over_position, cropping_cost, packing_mismatch
 from nanochat_cpu.tokenizer import Tokenizer
 
@@ -73,7 +73,7 @@ def giant_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("giant_data")
     docs = english_like_docs(700, seed=3)
     docs[100] = "GIANT " + "%%EndPage showpage gsave 12 34 moveto " * 400
-    data.write_shards(docs, out, rows_per_group=50, groups_per_shard=3, val_docs=100, seed=0)
+    dataset_build.write_shards(docs, out, rows_per_group=50, groups_per_shard=3, val_docs=100, seed=0)
     return out
 
 

@@ -23,7 +23,7 @@ import pytest
 import torch
 from conftest import TINY_DOCS, TINY_VAL_DOCS, english_like_docs
 
-from nanochat_cpu import data
+from nanochat_cpu import data, dataset_build
 from nanochat_cpu.dataloader import TokenLoader
 from nanochat_cpu.tokenizer import Tokenizer
 
@@ -50,9 +50,9 @@ def make_sources(root: Path) -> Path:
 
 def test_read_documents_splits_paragraphs_and_fortunes(tmp_path: Path) -> None:
     src = make_sources(tmp_path)
-    assert data.read_documents(src / "a.txt") == PLAIN_DOCS
-    assert data.read_documents(src / "sub" / "fortunes") == FORTUNE_DOCS
-    assert data.collect_documents([src]) == PLAIN_DOCS + FORTUNE_DOCS
+    assert dataset_build.read_documents(src / "a.txt") == PLAIN_DOCS
+    assert dataset_build.read_documents(src / "sub" / "fortunes") == FORTUNE_DOCS
+    assert dataset_build.collect_documents([src]) == PLAIN_DOCS + FORTUNE_DOCS
 
 
 def test_prepare_writes_shards_and_manifest(tmp_path: Path) -> None:
@@ -61,7 +61,7 @@ def test_prepare_writes_shards_and_manifest(tmp_path: Path) -> None:
     (src / "b.txt").write_text("\n\n".join(extra))
     expected = PLAIN_DOCS + extra + FORTUNE_DOCS  # 25 documents
     out = tmp_path / "out"
-    manifest = data.prepare([src], out, rows_per_group=3, groups_per_shard=2, val_docs=4, seed=1)
+    manifest = dataset_build.prepare([src], out, rows_per_group=3, groups_per_shard=2, val_docs=4, seed=1)
 
     # 21 train docs in shards of 6, then the val shard; row groups of 3
     names = [f"shard_{i:05d}.parquet" for i in range(5)]
@@ -89,11 +89,11 @@ def test_prepare_is_deterministic_and_replaces_stale_shards(tmp_path: Path) -> N
     docs = english_like_docs(100)
     src = tmp_path / "docs.txt"
     src.write_text("\n\n".join(docs))
-    a = data.prepare([src], tmp_path / "a", rows_per_group=10, groups_per_shard=2, val_docs=10)
-    b = data.prepare([src], tmp_path / "b", rows_per_group=10, groups_per_shard=2, val_docs=10)
+    a = dataset_build.prepare([src], tmp_path / "a", rows_per_group=10, groups_per_shard=2, val_docs=10)
+    b = dataset_build.prepare([src], tmp_path / "b", rows_per_group=10, groups_per_shard=2, val_docs=10)
     assert a == b and len(a["files"]) == 6
     # re-preparing into a used dir with fewer shards leaves no stale shard behind
-    c = data.prepare([src], tmp_path / "a", rows_per_group=50, groups_per_shard=2, val_docs=10, seed=7)
+    c = dataset_build.prepare([src], tmp_path / "a", rows_per_group=50, groups_per_shard=2, val_docs=10, seed=7)
     assert sorted(p.name for p in (tmp_path / "a").glob("*.parquet")) == ["shard_00000.parquet", "shard_00001.parquet"]
     assert c["val_file"] == "shard_00001.parquet" and c != a
 
@@ -101,17 +101,17 @@ def test_prepare_is_deterministic_and_replaces_stale_shards(tmp_path: Path) -> N
 def test_prepare_interrupted_leaves_no_manifest(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A dir whose shards are half rewritten must fail verify, not pass with the old manifest.
     docs = english_like_docs(40)
-    data.write_shards(docs, tmp_path, rows_per_group=5, groups_per_shard=2, val_docs=10)
-    real_write = data._write_shard
+    dataset_build.write_shards(docs, tmp_path, rows_per_group=5, groups_per_shard=2, val_docs=10)
+    real_write = dataset_build._write_shard
 
     def write_then_die(path: Path, chunk: list[str], rows_per_group: int) -> None:
         if path.name == "shard_00001.parquet":
             raise OSError("disk full")
         real_write(path, chunk, rows_per_group)
 
-    monkeypatch.setattr(data, "_write_shard", write_then_die)
+    monkeypatch.setattr(dataset_build, "_write_shard", write_then_die)
     with pytest.raises(OSError, match="disk full"):
-        data.write_shards(docs, tmp_path, rows_per_group=5, groups_per_shard=2, val_docs=10, seed=1)
+        dataset_build.write_shards(docs, tmp_path, rows_per_group=5, groups_per_shard=2, val_docs=10, seed=1)
     assert not (tmp_path / "manifest.json").exists()
     assert "manifest.json" in data.verify(tmp_path)[0]
 
@@ -126,7 +126,7 @@ def test_prepare_cli_and_errors(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert "val docs" in capsys.readouterr().err
 
 
-@pytest.mark.skipif(not data.fortune_files(), reason="Debian package `fortunes` not installed")
+@pytest.mark.skipif(not dataset_build.fortune_files(), reason="Debian package `fortunes` not installed")
 def test_corpus_from_fortunes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "corpus"
     assert data.main(["corpus", "--out", str(out)]) == 0
@@ -279,7 +279,7 @@ def server() -> Iterator[ShardServer]:
 
 
 def fetch(server: ShardServer, out: Path, n: int = 2, retries: int = 3) -> dict:
-    return data.fetch(n, out, base_url=server.url, val_index=9, timeout=5, retries=retries, backoff_s=0)
+    return dataset_build.fetch(n, out, base_url=server.url, val_index=9, timeout=5, retries=retries, backoff_s=0)
 
 
 def test_fetch_downloads_train_then_val_with_checksums(server: ShardServer, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 from conftest import english_like_docs
 
-from nanochat_cpu import corpus_report, data
+from nanochat_cpu import corpus_report, data, dataset_build
 from nanochat_cpu.tokenizer import Tokenizer
 from tests.test_faults_trainer import rewrite_manifest_entry
 
@@ -157,7 +157,7 @@ def test_prepare_crops_and_drops_and_says_so(tmp_path: Path, capsys: pytest.Capt
 
 def test_prepare_refuses_an_unknown_long_docs_action(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="--long-docs must be one of warn, crop, drop"):
-        data.prepare([outlier_sources(tmp_path)], tmp_path / "o", long_docs="trim")
+        dataset_build.prepare([outlier_sources(tmp_path)], tmp_path / "o", long_docs="trim")
 
 
 # -----------------------------------------------------------------------------
@@ -174,7 +174,8 @@ def test_outliers_go_to_train_not_the_holdout_shard(
     seed = next(s for s in range(100) if outlier in (lambda d: random.Random(s).shuffle(d) or d)(list(docs))[-holdout:])
     shuffled = list(docs)
     random.Random(seed).shuffle(shuffled)
-    manifest = data.write_shards(docs, tmp_path, rows_per_group=20, groups_per_shard=2, val_docs=holdout, seed=seed)
+    manifest = dataset_build.write_shards(docs, tmp_path, rows_per_group=20, groups_per_shard=2, val_docs=holdout,
+                                          seed=seed)
     held = data.read_texts(tmp_path, (manifest["val_file"], 0)) + data.read_texts(tmp_path, (manifest["val_file"], 1))
     assert outlier not in held and len(held) == holdout
     # its place goes to the next document of the shuffle; the rest stay in order
@@ -205,7 +206,7 @@ def test_an_ordinary_corpus_splits_as_before() -> None:
 
 def test_prepare_prints_the_holdout_shards_largest_share(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     src = outlier_sources(tmp_path)
-    data.prepare([src], tmp_path / "o", rows_per_group=16, val_docs=100)
+    dataset_build.prepare([src], tmp_path / "o", rows_per_group=16, val_docs=100)
     held = [t for g in data.iter_texts(tmp_path / "o", "val") for t in g]
     share = max(map(len, held)) / sum(map(len, held))
     assert f"  val shard: its largest document is {share:.1%} of its characters (threshold 5%): " in (

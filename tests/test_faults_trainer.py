@@ -27,7 +27,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from nanochat_cpu import checkpoint_files, config, data, tokenizer
+from nanochat_cpu import checkpoint_files, config, data, dataset_build, tokenizer
 from nanochat_cpu.compile_choice import resolve_compile
 from tests.trainer_runs import (
     ENTRY_POINTS,
@@ -550,8 +550,8 @@ def other_tokenizer_dir(tmp_path_factory) -> Path:
     """A tokenizer trained on another corpus (made-up English sentences), vocab 300."""
     from tests.conftest import english_like_docs
     corpus = tmp_path_factory.mktemp("other_corpus")
-    data.write_shards(english_like_docs(400, seed=7), corpus, rows_per_group=50, groups_per_shard=2, val_docs=50,
-                      seed=1)
+    dataset_build.write_shards(english_like_docs(400, seed=7), corpus, rows_per_group=50, groups_per_shard=2,
+                               val_docs=50, seed=1)
     out = tmp_path_factory.mktemp("other_tokenizer")
     tokenizer.train(corpus, 300, out)
     return out
