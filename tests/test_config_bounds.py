@@ -1,5 +1,5 @@
 """Upper bounds on every numeric trainer flag and the model shape they make: validate() alone,
-as every rank runs it before rendezvous and the controller as `python -m nanochat_cpu.config check`."""
+as every rank runs it before rendezvous and the controller through `python -m nanochat_cpu.run_args`."""
 
 from __future__ import annotations
 

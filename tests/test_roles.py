@@ -6,7 +6,7 @@ every module is named by FQCN, every playbook passes --syntax-check, yamllint an
 (production profile) pass, the interface filter picks the right NIC, lan_subnet must be a private
 range, the firewall's filters want each node's address and find only our stale ufw rules, a bad
 train.yml extra-var ends the playbook before any node play starts, and the trainer's own check it
-runs on the controller (python -m nanochat_cpu.config check) needs no torch.
+runs on the controller (python -m nanochat_cpu.run_args, through config.check) needs no torch.
 """
 
 from __future__ import annotations
@@ -103,14 +103,14 @@ def test_defaults_and_argument_specs_name_the_same_options(role: str) -> None:
 
 
 def read_by_run_args(role: str) -> set[str]:
-    """The run role's validate passes its options by name to `python -m nanochat_cpu.config run-args`,
+    """The run role's validate passes its options by name to `python -m nanochat_cpu.run_args`,
     which reads those that name a trainer flag or a run input (run_config_depth is depth)."""
     if role != "run":
         return set()
-    from nanochat_cpu import config
+    from nanochat_cpu.run_args import RUN_FLAGS, RUN_INPUTS
 
     options = entry_points("run")["validate"]["options"]
-    return {name for name in options if name.removeprefix("run_config_") in {*config.RUN_FLAGS, *config.RUN_INPUTS}}
+    return {name for name in options if name.removeprefix("run_config_") in {*RUN_FLAGS, *RUN_INPUTS}}
 
 
 README_SECTIONS = ("## Variables", "## Example", "## What it changes on the node")
@@ -546,7 +546,7 @@ def test_work_split_from_the_inventory_is_checked_per_host(tmp_path: Path) -> No
 # ---- the trainer's own check of the flags, on the controller ---------------------------------------
 
 def config_check(*flags: str) -> subprocess.CompletedProcess:
-    """`python -m nanochat_cpu.config check` as validate runs it, in a Python where torch cannot be imported."""
+    """`python -m nanochat_cpu.config check`, the verdict run_args words, in a Python where torch cannot be imported."""
     code = ("import runpy, sys; sys.modules['torch'] = None; "
             "runpy.run_module('nanochat_cpu.config', run_name='__main__')")
     return subprocess.run([sys.executable, "-c", code, "check", *flags], cwd=ROOT,
@@ -554,9 +554,9 @@ def config_check(*flags: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=60)
 
 
-def test_config_imports_no_torch() -> None:
-    """The controller has the checkout, not necessarily torch: nanochat_cpu.config must never need it."""
-    res = subprocess.run([sys.executable, "-c", "import sys, nanochat_cpu.config; "
+def test_config_and_run_args_import_no_torch() -> None:
+    """The controller has the checkout, not necessarily torch: nanochat_cpu.config and run_args must never need it."""
+    res = subprocess.run([sys.executable, "-c", "import sys, nanochat_cpu.config, nanochat_cpu.run_args; "
                           "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))"],
                          cwd=ROOT, env={**env(), "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr

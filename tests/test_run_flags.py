@@ -107,7 +107,7 @@ def test_the_unit_gets_the_same_argv(tmp_path: Path, rows: dict[str, int], extra
     assert train_args.split() == expect.split()
 
 
-# ---- the same in Python: nanochat_cpu.config.run_args, no Ansible -------------------------------
+# ---- the same in Python: nanochat_cpu.run_args, no Ansible --------------------------------------
 
 SETTINGS = {  # validate's defaults for the example inventory's two one-rank nodes
     "run_name": "d4", "depth": 4, "max_seq_len": 512, "device_batch_size": 2, "total_batch_size": "auto",
@@ -121,13 +121,14 @@ SETTINGS = {  # validate's defaults for the example inventory's two one-rank nod
 
 def test_every_run_flag_is_a_trainer_flag() -> None:
     from nanochat_cpu import config
+    from nanochat_cpu.run_args import RUN_FLAGS
 
     fields = {f.name for f in config.dataclasses.fields(config.TrainConfig)}
-    assert set(config.RUN_FLAGS) <= fields
+    assert set(RUN_FLAGS) <= fields
 
 
 def test_run_args_builds_the_pinned_argv() -> None:
-    from nanochat_cpu.config import run_args
+    from nanochat_cpu.run_args import run_args
 
     assert run_args(SETTINGS) == {"ok": True, "argv": DEFAULT_FLAGS.format(total=2048, split="auto").split()}
     inventory = {**SETTINGS, "work_split": "inventory", "train_rows": ["2", "1"], "extra_args": " --seed 3 "}
@@ -160,7 +161,7 @@ def test_run_args_builds_the_pinned_argv() -> None:
     ],
 )
 def test_run_args_words_the_problem_in_extra_vars(change: dict[str, object], said: str) -> None:
-    from nanochat_cpu.config import run_args
+    from nanochat_cpu.run_args import run_args
 
     verdict = run_args({**SETTINGS, **change})
     assert not verdict["ok"]
@@ -168,7 +169,7 @@ def test_run_args_words_the_problem_in_extra_vars(change: dict[str, object], sai
 
 
 def test_the_problem_comes_with_the_field_s_help_and_an_example() -> None:
-    from nanochat_cpu.config import run_args
+    from nanochat_cpu.run_args import run_args
 
     verdict = run_args({**SETTINGS, "sync_warmup_ratio": 1})
     assert (verdict["field"], verdict["value"], verdict["example"]) == ("sync_warmup_ratio", "1.0", "0.05")
@@ -179,12 +180,12 @@ def test_the_problem_comes_with_the_field_s_help_and_an_example() -> None:
 def test_run_args_on_the_command_line_needs_no_torch() -> None:
     """As validate runs it on the controller: one JSON line, exit 2 with the problem on stderr."""
     code = ("import runpy, sys; sys.modules['torch'] = None; "
-            "runpy.run_module('nanochat_cpu.config', run_name='__main__')")
-    ok = subprocess.run([sys.executable, "-c", code, "run-args", json.dumps(SETTINGS)], cwd=ROOT,
+            "runpy.run_module('nanochat_cpu.run_args', run_name='__main__')")
+    ok = subprocess.run([sys.executable, "-c", code, json.dumps(SETTINGS)], cwd=ROOT,
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
     assert json.loads(ok.stdout)["argv"][:2] == ["--device", "cpu"]
-    bad = subprocess.run([sys.executable, "-c", code, "run-args", json.dumps({**SETTINGS, "seed": -1})], cwd=ROOT,
+    bad = subprocess.run([sys.executable, "-c", code, json.dumps({**SETTINGS, "seed": -1})], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
     said = "seed=-1 must be >= 0 (RNG seed (same on every rank)); pass e.g. -e seed=42"
@@ -215,11 +216,12 @@ def role_defaults() -> dict[str, str | None]:
 def test_the_defaults_table_names_every_flag_a_run_sets_with_both_defaults() -> None:
     """Both defaults as the code has them, and a reason wherever they differ."""
     from nanochat_cpu import config
+    from nanochat_cpu.run_args import RUN_FLAGS
 
     table, role = defaults_table(), role_defaults()
     assert set(role) <= set(table), f"extra-vars of the run role missing from the table: {set(role) - set(table)}"
     flags = {cells[0].strip("`"): extra_var for extra_var, cells in table.items()}
-    assert {"--" + name.replace("_", "-") for name in config.RUN_FLAGS} <= set(flags)
+    assert {"--" + name.replace("_", "-") for name in RUN_FLAGS} <= set(flags)
     trainer_defaults = {f.name: f.default for f in config.dataclasses.fields(config.TrainConfig)}
     for flag, extra_var in flags.items():
         field = flag.removeprefix("--").replace("-", "_")
