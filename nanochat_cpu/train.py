@@ -39,8 +39,9 @@ from .model import GPT, flops_per_token, model_config_from, parameter_breakdown
 from .optim import MuonAdamW, build_optimizer
 from .perf import measure_matmul_peak, peak_rss_mib, sync
 from .precision import autocast_for
-from .progress import PhaseTimes, Progress, StepClock
+from .progress import PhaseTimes, Progress, StepClock, human_duration
 from .run_state import RunState
+from .run_status import RunStatus
 from .shm import make_arena
 from .startup import Ranks, join_ranks
 from .stop import StopBudget, shutdown_budget_s
@@ -165,8 +166,9 @@ def compile_trial(compiled, cfg: TrainConfig, env: DistEnv, ctx, rows: int, voca
     loss.backward()
 
 
-def log_step(cfg: TrainConfig, env: DistEnv, tracker: Tracker, progress: Progress, train_loss: float, mult: float,
-             dt: float, t_compute: float, comm_wait: float, fpt: int, peak: float) -> None:
+def log_step(cfg: TrainConfig, env: DistEnv, tracker: Tracker, status: RunStatus, progress: Progress,
+             train_loss: float, mult: float, dt: float, t_compute: float, comm_wait: float, fpt: int,
+             peak: float) -> None:
     tok_per_s = cfg.total_batch_size / dt
     mfu = 100 * fpt * tok_per_s / (peak * env.world_size)
     timing = (f"dt_ms={dt * 1000:.0f} tok_per_s={tok_per_s:.0f} mfu={mfu:.1f} "
@@ -180,14 +182,18 @@ def log_step(cfg: TrainConfig, env: DistEnv, tracker: Tracker, progress: Progres
                          "step_ms": dt * 1000, "compute_ms": t_compute * 1000,
                          "comm_wait_ms": comm_wait * 1000, "elapsed_s": progress.elapsed_s,
                          "eta_s": progress.eta_s}, progress.step)
+    status.update(step=progress.step, loss=train_loss, tok_per_s=tok_per_s, mfu=mfu, elapsed_s=progress.elapsed_s,
+                  eta_s=progress.eta_s, elapsed=human_duration(progress.elapsed_s), eta=human_duration(progress.eta_s))
 
 
-def log_sample(env: DistEnv, model: GPT, tokenizer: Tokenizer, step: int) -> None:
+def log_sample(env: DistEnv, model: GPT, tokenizer: Tokenizer, step: int) -> str:
     model.eval()
     prompt = "The"
     out = model.generate([tokenizer.bos_id] + tokenizer.encode(prompt), max_tokens=24)
     model.train()
-    log(env, f"sample step {step:05d}: {prompt + tokenizer.decode(out)!r}")  # quoted: one journal line
+    sample = repr(prompt + tokenizer.decode(out))  # quoted: one journal line
+    log(env, f"sample step {step:05d}: {sample}")
+    return sample
 
 
 # ---- the run's parts, and the loop's state -------------------------------------------------------
@@ -206,6 +212,7 @@ class Training:
     disks: Disks
     background: BackgroundCheckpoints | None  # with local steps: checkpoints cross while the inner steps go on
     compiling: CompileChoice
+    status: RunStatus  # where the run stands, for status.yml
     ctx: Any  # the forward passes' autocast
     fpt: int  # FLOPs per token
     peak: float  # the matmul peak MFU is measured against
@@ -272,7 +279,9 @@ def build(cfg: TrainConfig, ranks: Ranks) -> Training:
     if env.master:
         log(env, f"matmul peak {peak / 1e9:.0f} GFLOP/s per rank ({ranks.ctx_dtype}); MFU is measured against it")
     plan.begin(model, opt, sizes, saved, start_step, local_now)
-    return Training(cfg, ranks, model, opt, loader, tracker, plan, disks, background, compiling, ctx, fpt, peak,
+    status = RunStatus(cfg.out_dir, cfg.run_name, env, cfg.num_iterations)
+    return Training(cfg, ranks, model, opt, loader, tracker, plan, disks, background, compiling, status, ctx, fpt,
+                    peak,
                     start_step, sizes, accum, fixed_rows, split, StopBudget(shutdown_budget_s()),
                     loss_scale=plan.loss_scale(sizes, accum))
 
@@ -369,8 +378,10 @@ def at_boundary(t: Training, step: int, stopping: bool, timed: tuple[list[int], 
         # the run's verdict: every local step's means, its first (timed) and last (blocking) syncs
         # in them; the last phase's alone may be a few steps and a sync
         times = plan.local_run.per_step() if last and plan.local_run.steps else t.phase.per_step()
-        t.said_speed = log_rank_timings(cfg, env, t.tracker, step, *timed, *times, watchdog, t.said_speed,
-                                        local_steps=plan.local, last=last, warm_up_until=plan.warm_up_until)
+        t.said_speed, verdict = log_rank_timings(cfg, env, t.tracker, step, *timed, *times, watchdog, t.said_speed,
+                                                 local_steps=plan.local, last=last, warm_up_until=plan.warm_up_until)
+        if verdict:
+            t.status.update(verdict=verdict)
         t.phase = PhaseTimes()
     elif not plan.local or resplit:
         t.phase = PhaseTimes()  # synchronous: one step's; with local steps, since the last timing line
@@ -383,8 +394,9 @@ def at_boundary(t: Training, step: int, stopping: bool, timed: tuple[list[int], 
         if env.master:
             log(env, f"eval step {step:05d} val_bpb={bpb:.4f}")
         t.tracker.log_metrics({"val_bpb": bpb}, step)
+        t.status.update(val_bpb=bpb, val_step=step)
     if env.master and cfg.sample_every != NEVER and (schedule.due(cfg.sample_every, step) or last):
-        log_sample(env, t.model, t.ranks.tokenizer, step)
+        t.status.update(sample=log_sample(env, t.model, t.ranks.tokenizer, step))
     if schedule.due(cfg.checkpoint_every, step) or last or stopping or warmed_up:
         save(t, step, final=last or stopping)
     return warmed_up
@@ -465,7 +477,7 @@ def run(cfg: TrainConfig) -> int:
         t.split.add(step, t_compute, comm_wait, dt)
         train_loss = loss_sum.item() / t.accum
         progress = clock.lap(step, time.perf_counter(), t.plan.schedule.every or 1)
-        log_step(cfg, env, t.tracker, progress, train_loss, mult, dt, t_compute, comm_wait, t.fpt, t.peak)
+        log_step(cfg, env, t.tracker, t.status, progress, train_loss, mult, dt, t_compute, comm_wait, t.fpt, t.peak)
         if not math.isfinite(train_loss):
             fail(env, EXIT_MISMATCH, f"loss is {train_loss} at step {step}: training diverged "
                                      f"(lower --matrix-lr/--embedding-lr or resume from an earlier checkpoint)")
@@ -489,10 +501,12 @@ def run(cfg: TrainConfig) -> int:
         log(env, f"stopped by SIGTERM after step {step} of {cfg.num_iterations}, {kept}: the run resumes there "
                  f"when it is started again (train.yml), losing no step; peak RSS {peak_rss_mib():.0f} MiB")
         t.tracker.finish("KILLED")
+        t.status.update(state="stopped")
         code = EXIT_STOPPED
     else:
         log(env, f"done: {step} steps, peak RSS {peak_rss_mib():.0f} MiB")
         t.tracker.finish()
+        t.status.update(state="done")
         code = 0
     if env.distributed:
         with watchdog.phase("final barrier", step):

@@ -219,23 +219,24 @@ def choose_split(cfg: TrainConfig, env: DistEnv, model: GPT, ctx, watchdog: Watc
 
 def log_rank_timings(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int, sizes: list[int],
                      accum: int, compute_s: float, wait_s: float, step_s: float, watchdog: Watchdog,
-                     said_speed: bool, local_steps: bool = False, last: bool = False, warm_up_until: int = 0) -> bool:
+                     said_speed: bool, local_steps: bool = False, last: bool = False, warm_up_until: int = 0,
+                     ) -> tuple[bool, str | None]:
     """Who computed how long and who waited: the numbers behind the work split. And whether the
     cluster is any faster than its fastest node would be alone: said at the first timing step
-    (returns True once said), loudly if it is not, and again at the last step (`at the end:`),
-    from the warmed-up timings the run's summary reports. The times are one step's (with local steps:
-    the means over the whole phases since the last timing line, their outer syncs and landings
-    included, and at the last step over every local step the process ran: a short last phase of
-    a few steps and a long sync is not taken for the run). Up to step
-    `warm_up_until` (the synchronous warm-up of a run with local steps) the speed is said as that
-    phase's only: the run's verdict waits for the local steps it is set to run."""
+    (returns True once said, and the verdict said here, if any), loudly if it is not, and again at
+    the last step (`at the end:`), from the warmed-up timings the run's summary reports. The times
+    are one step's (with local steps: the means over the whole phases since the last timing line,
+    their outer syncs and landings included, and at the last step over every local step the
+    process ran: a short last phase of a few steps and a long sync is not taken for the run). Up
+    to step `warm_up_until` (the synchronous warm-up of a run with local steps) the speed is said
+    as that phase's only: the run's verdict waits for the local steps it is set to run."""
     mine = torch.tensor([compute_s, wait_s, step_s], dtype=torch.float64, device=env.device)
     everyone = [torch.zeros_like(mine) for _ in range(env.world_size)]
     with watchdog.phase("all_gather timings", step):
         dist.all_gather(everyone, mine)
         sync(env.device)
     if not env.master:
-        return True
+        return True, None
     log(env, f"timing step {step:05d}: " + " | ".join(
         f"rank {r}@{env.hosts[r]} compute_ms={float(t[0]) * 1000:.0f} comm_wait_ms={float(t[1]) * 1000:.0f}"
         for r, t in enumerate(everyone)))
@@ -252,10 +253,11 @@ def log_rank_timings(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int
         log(env, f"synchronous warm-up to step {warm_up_until}: cluster {est.cluster_tok_per_s:,.0f} tok/s = "
                  f"{est.vs_fastest:.2f}x what its fastest node would do alone (est.); the speed verdict follows "
                  f"the local steps from step {warm_up_until}")
-        return said_speed
+        return said_speed, None
     if last:  # the run's verdict, also where it is the first said (local steps with a long H)
-        log(env, f"at the end: {line}")
-    elif not said_speed:
-        log(env, line)
-    return True
+        line = f"at the end: {line}"
+    elif said_speed:
+        return True, None
+    log(env, line)
+    return True, line
 

@@ -1,9 +1,10 @@
 """What ansible-playbook prints with this repository's ansible.cfg: the stdout callback
-(playbooks/callback_plugins/nanochat.py) and the run role's run_progress parsing.
+(playbooks/callback_plugins/nanochat.py) and the run role's run_progress reading the trainer's
+status file.
 
 Real ansible-playbook runs on localhost. The polled progress comes from a module written here
-that returns a `progress` line as run_progress does (the real module reads systemd and journald,
-which only the molecule scenario's nodes have: molecule/common/verify_training.yml checks the
+that returns a `progress` line as run_progress does (the real module reads systemd, journald and
+the run's status file, which only the molecule scenario's nodes have: molecule/common/verify_training.yml checks the
 demo's screen there)."""
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import importlib.util
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from tests.test_roles import ROOT, env, tool
 
@@ -113,7 +116,7 @@ def test_a_message_prints_as_its_lines_unfolded(tmp_path: Path) -> None:
     assert "ansible_version.major: 2" in out  # anything else: the default YAML dump
 
 
-# ---- run_progress's parsing, on the trainer's own lines --------------------------------------------
+# ---- run_progress reads the trainer's status file --------------------------------------------------
 
 def run_progress():
     spec = importlib.util.spec_from_file_location("run_progress", ROOT / "roles/run/library/run_progress.py")
@@ -122,32 +125,62 @@ def run_progress():
     return module
 
 
-MASTER_LINE = ("[node0 rank 0/3] step 00021/00040 (52.5%) loss=4.8487 lrm=1.000 dt_ms=43 tok_per_s=5908 mfu=5.0 "
-               "compute_ms=39 optim_ms=4 comm_wait_ms=0 elapsed=1.2m eta=1.1m")
-WORKER_LINE = ("[node1 rank 1/3] step 00021/00040 (52.5%) rank_loss=4.9012 dt_ms=43 tok_per_s=5908 mfu=5.0 "
-               "compute_ms=39 optim_ms=4 comm_wait_ms=0 elapsed=1.2m eta=1.1m")
+def written_status(tmp_path, rank: int, **fields) -> str:
+    """A status file as the trainer writes it: rank `rank` of 3, its node's first rank."""
+    from nanochat_cpu.dist import DistEnv
+    from nanochat_cpu.run_status import RunStatus
+
+    env = DistEnv(rank=rank, local_rank=0, world_size=3, backend="gloo", host=f"node{rank}",
+                  hosts=["node0", "node1", "node2"])
+    tmp_path.mkdir(exist_ok=True)
+    status = RunStatus(str(tmp_path), "d4", env, 40)
+    status.update(**fields)
+    return status.path
 
 
-def test_run_progress_reads_the_step_line() -> None:
+def test_run_progress_reads_the_status_file_the_trainer_writes(tmp_path) -> None:
+    """The contract between nanochat_cpu/run_status.py and the role: the trainer's own writer, the
+    role's own reader, and the cells status.yml's table shows (molecule asserts their form too)."""
     rp = run_progress()
-    p = rp.parse_step(MASTER_LINE)
+    step = {"step": 21, "loss": 4.84871, "tok_per_s": 5907.8, "elapsed": "1.2m", "eta": "1.1m"}
+    master = rp.read_status(written_status(tmp_path / "m", 0, **step))
+    assert master["loss_of"] == "run" and master["members"] == ["node0", "node1", "node2"]
+    p = rp.columns(master)
     assert p == {"step": 21, "total": 40, "percent": 52.5, "loss": "4.8487", "tok_s": "5908", "elapsed": "1.2m",
-                 "eta": "1.1m"}
-    assert rp.parse_step(WORKER_LINE)["loss"] == "4.9012"
-    p["val_bpb"] = "2.9121"
+                 "eta": "1.1m", "val_bpb": None}
     assert rp.progress_line("d4", "active/running", "0", p) == (
-        "d4 step 21/40 (52.5%) loss 4.8487 | 5908 tok/s | elapsed 1.2m eta 1.1m | val_bpb 2.9121")
+        "d4 step 21/40 (52.5%) loss 4.8487 | 5908 tok/s | elapsed 1.2m eta 1.1m")
+    p = rp.columns(rp.read_status(written_status(tmp_path / "m", 0, **step, val_bpb=2.91214, val_step=20)))
+    assert rp.progress_line("d4", "active/running", "0", p).endswith("| val_bpb 2.9121")
     assert rp.progress_line("d4", "activating/auto-restart", "2", p).endswith(
         "| 2 restart(s) | activating/auto-restart")
     assert rp.progress_line("d4", "failed/failed", "0", p).endswith("| val_bpb 2.9121 | failed/failed")
     assert rp.progress_line("d4", "inactive/dead", "0", p).endswith("| val_bpb 2.9121")  # ended well
-    assert rp.progress_line("d4", "active/running", "0", rp.parse_step("")) == "d4: active/running, no step yet"
+    worker = rp.read_status(written_status(tmp_path / "w", 1, **step))
+    assert worker["loss_of"] == "this node's ranks" and rp.columns(worker)["loss"] == "4.8487"
 
 
-def test_run_progress_greps_tell_the_master_line_from_a_worker_line() -> None:
-    import re
-
+def test_run_progress_before_the_first_step_and_on_what_is_not_the_trainers_file(tmp_path) -> None:
     rp = run_progress()
-    assert re.search(rp.GREPS["step"], MASTER_LINE) and not re.search(rp.GREPS["step"], WORKER_LINE)
-    assert re.search(rp.GREPS["own_step"], WORKER_LINE) and re.search(rp.GREPS["own_step"], MASTER_LINE)
-    assert not re.search(rp.GREPS["step"], "[node0 rank 0/3] eval step 00040 val_bpb=2.9121")
+    assert rp.read_status(str(tmp_path / "status.json")) == {}
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"root": "only"}')
+    (tmp_path / "link.json").symlink_to(secret)  # the service user owns the run's directory
+    assert rp.read_status(str(tmp_path / "link.json")) == {}
+    (tmp_path / "big.json").write_text("[" + "0," * rp.MAX_STATUS_BYTES + "0]")
+    assert rp.read_status(str(tmp_path / "big.json")) == {}
+    (tmp_path / "list.json").write_text("[1]")
+    assert rp.read_status(str(tmp_path / "list.json")) == {}
+    assert rp.progress_line("d4", "active/running", "0", rp.columns({})) == "d4: active/running, no step yet"
+
+
+def test_only_a_nodes_first_rank_writes_and_a_typo_is_refused(tmp_path) -> None:
+    from nanochat_cpu.dist import DistEnv
+    from nanochat_cpu.run_status import RunStatus
+
+    env = DistEnv(rank=1, local_rank=1, world_size=2, backend="gloo", host="node0", hosts=["node0", "node0"])
+    second = RunStatus(str(tmp_path), "d4", env, 40)
+    second.update(step=1)
+    assert second.path is None and not (tmp_path / "status.json").exists()
+    with pytest.raises(KeyError, match="not a status field"):
+        second.update(stepp=2)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -85,6 +86,14 @@ def test_two_ranks_train_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_
     said = re.findall(r"\] (at the end: )?(?:SLOW|FAST)ER THAN ONE NODE: cluster [\d,]+ tok/s with 2 ranks = [\d.]+x "
                       r"what ranks 0\+1@\S+ would do alone as one", first.stdout)
     assert said == ["", "at the end: "]
+    # where the run stands, for status.yml: the master's status file, replaced every step (run_status.py)
+    status = json.loads((tmp_path / "run" / "status.json").read_text())
+    last_bpb = float(re.findall(r"eval step \d+ val_bpb=([0-9.]+)", first.stdout)[-1])
+    assert (status["state"], status["step"], status["total"], status["loss_of"]) == ("done", 12, 12, "run")
+    assert status["loss"] == pytest.approx(full[12], abs=1e-4)
+    assert status["val_bpb"] == pytest.approx(last_bpb, abs=1e-4)
+    assert status["verdict"].startswith("at the end: ") and status["sample"].startswith("'The")
+    assert status["eta"] == "0s" and status["tok_per_s"] > 0 and status["world_size"] == 2
 
     # crash after step 8's checkpoint: drop the newer one, as if the run died before it
     shutil.rmtree(tmp_path / "run" / "checkpoints" / "step_000012")

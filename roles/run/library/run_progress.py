@@ -1,9 +1,11 @@
 #!/usr/bin/python
-"""Where one training run stands on this node, read from systemd and the run's journal."""
+"""Where one training run stands on this node, read from systemd and the trainer's status file."""
 
 from __future__ import annotations
 
-import re
+import json
+import os
+import stat
 
 from ansible.module_utils.basic import AnsibleModule
 
@@ -11,22 +13,22 @@ DOCUMENTATION = r"""
 module: run_progress
 short_description: Where a nanochat training run stands on this node
 description:
-  - Reads the state of C(nanochat-train@RUN) from systemd and the trainer's last lines of each
-    kind from its journal (step, evaluation, cluster speed verdict, sample, last line), and returns
-    them parsed, plus one human line, C(progress), that the repository's stdout callback prints
-    while a task polls this module.
+  - Reads the state of C(nanochat-train@RUN) from systemd and where the run stands from the
+    trainer's status file (C(status.json) in the run's directory, which the node's first rank
+    replaces after every step: on the master the run's loss, val bpb, speed verdict and sample;
+    elsewhere the loss of that node's ranks), and the trainer's last journal line as it is. Returns
+    them, plus one human line, C(progress), that the repository's stdout callback prints while a
+    task polls this module.
   - Changes nothing; check mode is supported.
 options:
   run:
     description: The run's name (the unit is nanochat-train@RUN).
     type: str
     required: true
-  own_ranks_only:
-    description:
-      - false (the master) reads rank 0's step lines, whose loss is the run's; true (any other node)
-        reads this node's own ranks' lines, whose C(rank_loss) is their batch's.
-    type: bool
-    default: false
+  status_file:
+    description: The run's status file, C(<runs_dir>/RUN/status.json).
+    type: path
+    required: true
 author: nanochat-lan
 """
 
@@ -34,6 +36,7 @@ EXAMPLES = r"""
 - name: Follow the run until its unit ends
   run_progress:
     run: d8
+    status_file: /var/lib/nanochat/runs/d8/status.json
   register: run_follow
   until: run_follow.finished
   retries: 720
@@ -49,28 +52,18 @@ finished:
   description: Whether the unit has ended (inactive or failed).
   type: bool
   returned: always
+status:
+  description: The trainer's status file as it stands (empty before its first step).
+  type: dict
+  returned: always
 progress:
-  description: One line, e.g. C(d8 step 120/500 (24.0%) loss 4.1 | 912 tok/s | elapsed 3.2m eta 10.1m | val_bpb 1.52).
+  description: One line, e.g. C(d8 step 120/500 (24.0%) loss 4.1000 | 912 tok/s | elapsed 3.2m eta 10.1m).
   type: str
   returned: always
 """
 
-# what each kind of trainer line looks like (nanochat_cpu/train.py, work_split.py); journalctl's
-# --grep takes PCRE2, and the lines are parsed again here
-GREPS = {
-    "step": r"\] step [0-9]+/[0-9]+.* loss=",
-    "own_step": r"\] step [0-9]+/[0-9]+.* (rank_)?loss=",
-    "eval": r"\] eval step [0-9]+ val_bpb=",
-    "verdict": r"THAN ONE NODE: ",
-    "sample": r"\] sample step [0-9]+: ",
-}
-FIELDS = {
-    "loss": r"(?:rank_)?loss=([-0-9.naif]+)",
-    "tok_s": r"tok_per_s=([0-9]+)",
-    "elapsed": r"elapsed=(\S+)",
-    "eta": r"eta=(\S+)",
-}
 PROPERTIES = ("ActiveState", "SubState", "Result", "NRestarts", "ExecMainStatus", "UnitFileState")
+READS_VERSION = 1  # the status file's keys this module knows (nanochat_cpu/run_status.py)
 
 
 def unit_properties(module: AnsibleModule, unit: str) -> dict[str, str]:
@@ -81,31 +74,49 @@ def unit_properties(module: AnsibleModule, unit: str) -> dict[str, str]:
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
 
 
-def last_line(module: AnsibleModule, run: str, grep: str | None) -> str:
-    """The trainer's newest line (its own, not systemd's about the unit), of a kind if grep is given."""
+def last_line(module: AnsibleModule, run: str) -> str:
+    """The trainer's newest line as it is (its own, not systemd's about the unit): for people."""
     argv = ["journalctl", "--no-pager", "--output=cat", f"--identifier=nanochat-train-{run}", "--lines=1"]
-    if grep:
-        argv.append(f"--grep={grep}")
     rc, out, _ = module.run_command(argv)
-    return out.strip().splitlines()[-1] if rc == 0 and out.strip() else ""  # rc 1: nothing matched
+    return out.strip().splitlines()[-1] if rc == 0 and out.strip() else ""
 
 
-def after(prefix_re: str, line: str) -> str:
-    """The text after the trainer's `[host rank r/w] <prefix>`."""
-    m = re.search(prefix_re + r"(.*)$", line)
-    return m.group(1).strip() if m else ""
+MAX_STATUS_BYTES = 1 << 20  # the trainer writes a few hundred bytes
 
 
-def parse_step(line: str) -> dict:
-    m = re.search(r"step ([0-9]+)/([0-9]+)", line)
-    if not m:
-        return {"step": None, "total": None, "percent": None}
-    step, total = int(m.group(1)), int(m.group(2))
-    out = {"step": step, "total": total, "percent": round(100 * step / total, 1) if total else None}
-    for name, pattern in FIELDS.items():
-        found = re.search(pattern, line)
-        out[name] = found.group(1) if found else None
-    return out
+def read_status(path: str) -> dict:
+    """The status file, or {} where the run has not written one yet (before its first step).
+
+    The service user owns the run's directory and this module runs as root: a link, a FIFO or an
+    endless file put there is not followed, waited on or read whole."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # not written yet, or a link
+        return {}
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return {}
+        data = f.read(MAX_STATUS_BYTES + 1)
+    try:
+        status = json.loads(data) if len(data) <= MAX_STATUS_BYTES else {}
+    except ValueError:  # a rename makes a torn read impossible: this is not the trainer's file
+        return {}
+    return status if isinstance(status, dict) else {}
+
+
+def columns(status: dict) -> dict:
+    """The status table's cells: step, loss, tok/s, ETA, val bpb (None where not known yet)."""
+    step, total = status.get("step"), status.get("total")
+    if step is None:
+        return {"step": None, "total": total, "percent": None, "loss": None, "tok_s": None, "elapsed": None,
+                "eta": None, "val_bpb": None}
+
+    def fixed(value, digits: int) -> str | None:
+        return None if value is None else f"{value:.{digits}f}"
+
+    return {"step": step, "total": total, "percent": round(100 * step / total, 1) if total else None,
+            "loss": fixed(status.get("loss"), 4), "tok_s": fixed(status.get("tok_per_s"), 0),
+            "elapsed": status.get("elapsed"), "eta": status.get("eta"), "val_bpb": fixed(status.get("val_bpb"), 4)}
 
 
 def progress_line(run: str, state: str, restarts: str, p: dict) -> str:
@@ -125,18 +136,18 @@ def progress_line(run: str, state: str, restarts: str, p: dict) -> str:
 def main() -> None:
     module = AnsibleModule(
         argument_spec={"run": {"type": "str", "required": True},
-                       "own_ranks_only": {"type": "bool", "default": False}},
+                       "status_file": {"type": "path", "required": True}},
         supports_check_mode=True,
     )
     run = module.params["run"]
     unit = f"nanochat-train@{run}.service"
     props = unit_properties(module, unit)
     state = f"{props.get('ActiveState', '?')}/{props.get('SubState', '?')}"
-    step_line = last_line(module, run, GREPS["own_step" if module.params["own_ranks_only"] else "step"])
-    parsed = parse_step(step_line)
-    eval_line = last_line(module, run, GREPS["eval"])
-    found = re.search(r"val_bpb=([0-9.]+)", eval_line)
-    parsed["val_bpb"] = found.group(1) if found else None
+    status = read_status(module.params["status_file"])
+    if status.get("version", READS_VERSION) > READS_VERSION:
+        module.warn(f"{module.params['status_file']} is version {status['version']}, newer than this role reads "
+                    f"({READS_VERSION}): re-run site.yml from the same checkout as the nodes' trainer")
+    cells = columns(status)
     restarts = props.get("NRestarts", "0")
     module.exit_json(
         changed=False,
@@ -147,12 +158,12 @@ def main() -> None:
         exit_status=props.get("ExecMainStatus", ""),
         unit_file_state=props.get("UnitFileState", ""),
         restarts=restarts,
-        step_line=step_line,
-        verdict=after(r"\] ", last_line(module, run, GREPS["verdict"])),
-        sample=after(r"\] sample step [0-9]+: ", last_line(module, run, GREPS["sample"])),
-        last_line=last_line(module, run, None),
-        progress=progress_line(run, state, restarts, parsed),
-        **parsed,
+        status=status,
+        verdict=status.get("verdict") or "",
+        sample=status.get("sample") or "",
+        last_line=last_line(module, run),
+        progress=progress_line(run, state, restarts, cells),
+        **cells,
     )
 
 
