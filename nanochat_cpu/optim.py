@@ -17,15 +17,13 @@ global batch's tokens, so uneven per-rank batches still give the global mean gra
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 from .grad_target import set_grad_target
 from .shm import SharedArena
 from .sync_local import LocalSync
 from .sync_shared import SharedMemorySync
-from .sync_strategy import WHOLE_KEYS, WIRE_DTYPES, FlatLayout, SyncStrategy, layout_record
+from .sync_strategy import WHOLE_KEYS, WIRE_DTYPES, FlatLayout, Group, SyncStrategy, layout_record
 from .sync_zero2 import Zero2Sync
 
 # Quintic Newton-Schulz coefficients (Keller Jordan, modded-nanogpt): maximise the slope at
@@ -84,40 +82,6 @@ def orthogonalize_via_gram(x: torch.Tensor) -> torch.Tensor:
         if i < NS_STEPS - 1:
             gram = torch.bmm(poly, torch.bmm(poly, gram))
     return torch.bmm(q, x)
-
-
-@dataclass
-class Group:
-    kind: str  # "adamw" or "muon"
-    name: str
-    params: list[torch.nn.Parameter]
-    lr: float
-    betas: tuple[float, float] = (0.8, 0.95)
-    eps: float = 1e-10
-    momentum: float = 0.95
-    weight_decay: float = 0.0
-    sparse_rows: bool = False  # embedding tables: only the rows of tokens seen get gradients
-    lr_multiplier: float = 1.0  # set by the schedule each step
-    # the optimizer state this rank keeps and checkpoints: of its slice with N ranks
-    state: dict[str, torch.Tensor] = field(default_factory=dict)
-    # set by the sync strategy, and what the tests see of it: each parameter's place in the
-    # strategy's gradient buffer (where it keeps one), and the group's communication still in
-    # flight (a reduce started from the backward's hooks)
-    grad_views: list[torch.Tensor] = field(default_factory=list)
-    pending: list = field(default_factory=list)
-
-    def adamw_state(self, params: list[torch.Tensor],
-                    keep_in: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
-                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """The moments of a list of tensors (the owned slice with N ranks, the parameters with 1),
-        made on first use as zeros, or `keep_in` the given (first, second moment) tensors."""
-        if "exp_avg" not in self.state:
-            for i, p in enumerate(params):
-                m, v = keep_in[i] if keep_in else (torch.zeros_like(p), torch.zeros_like(p))
-                self.state[f"exp_avg.{i}"], self.state[f"exp_avg_sq.{i}"] = m, v
-            self.state["exp_avg"] = torch.zeros(0)  # marker: state initialised
-        return ([self.state[f"exp_avg.{i}"] for i in range(len(params))],
-                [self.state[f"exp_avg_sq.{i}"] for i in range(len(params))])
 
 
 class MuonAdamW:

@@ -7,22 +7,17 @@ whole state: Muon's stacked "momentum", AdamW's moments per parameter ("exp_avg.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
 from .grad_target import clear_gradients
 from .sparse_rows import TouchedRows
-from .sync_strategy import WHOLE_KEYS, FlatLayout, SyncStrategy, checked_part
-
-if TYPE_CHECKING:
-    from .optim import Group, MuonAdamW
+from .sync_strategy import WHOLE_KEYS, FlatLayout, Group, Optimizer, SyncStrategy, checked_part
 
 
 class LocalSync(SyncStrategy):
     name = "local"
 
-    def __init__(self, opt: MuonAdamW):
+    def __init__(self, opt: Optimizer):
         super().__init__(opt)
         self.tables: dict[str, TouchedRows] = {}
         for g in opt.groups:

@@ -23,7 +23,6 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,10 +31,7 @@ import torch.distributed as dist
 from .grad_target import clear_gradients, set_grad_target
 from .shm import SharedArena
 from .sparse_rows import TouchedRows
-from .sync_strategy import FlatLayout, SlicedState, view_into
-
-if TYPE_CHECKING:
-    from .optim import Group, MuonAdamW
+from .sync_strategy import FlatLayout, Group, Optimizer, SlicedState, view_into
 
 # AdamW work units hold about this many elements: ~1 MiB of each tensor, a fraction of a
 # millisecond, so the last units leave the ranks' finishing times that close
@@ -87,7 +83,7 @@ class SharedMemorySync(SlicedState):
     phase = "optimizer step (shared-memory work queue)"
     name = "shared"
 
-    def __init__(self, opt: MuonAdamW, arena: SharedArena):
+    def __init__(self, opt: Optimizer, arena: SharedArena):
         super().__init__(opt)
         self.arena, self.rank, self.world_size = arena, opt.rank, opt.world_size
         self.param_index = {id(p): i for i, p in enumerate(opt.params)}

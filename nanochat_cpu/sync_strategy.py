@@ -37,15 +37,70 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from .perf import sync
 
-if TYPE_CHECKING:
-    from .optim import Group, MuonAdamW
+# ---- what a strategy and the optimizer share ------------------------------------------------------
+
+@dataclass
+class Group:
+    """A parameter group: its hyperparameters, and the optimizer state this rank keeps of it."""
+
+    kind: str  # "adamw" or "muon"
+    name: str
+    params: list[torch.nn.Parameter]
+    lr: float
+    betas: tuple[float, float] = (0.8, 0.95)
+    eps: float = 1e-10
+    momentum: float = 0.95
+    weight_decay: float = 0.0
+    sparse_rows: bool = False  # embedding tables: only the rows of tokens seen get gradients
+    lr_multiplier: float = 1.0  # set by the schedule each step
+    # the optimizer state this rank keeps and checkpoints: of its slice with N ranks
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+    # set by the sync strategy, and what the tests see of it: each parameter's place in the
+    # strategy's gradient buffer (where it keeps one), and the group's communication still in
+    # flight (a reduce started from the backward's hooks)
+    grad_views: list[torch.Tensor] = field(default_factory=list)
+    pending: list = field(default_factory=list)
+
+    def adamw_state(self, params: list[torch.Tensor],
+                    keep_in: list[tuple[torch.Tensor, torch.Tensor]] | None = None,
+                    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The moments of a list of tensors (the owned slice with N ranks, the parameters with 1),
+        made on first use as zeros, or `keep_in` the given (first, second moment) tensors."""
+        if "exp_avg" not in self.state:
+            for i, p in enumerate(params):
+                m, v = keep_in[i] if keep_in else (torch.zeros_like(p), torch.zeros_like(p))
+                self.state[f"exp_avg.{i}"], self.state[f"exp_avg_sq.{i}"] = m, v
+            self.state["exp_avg"] = torch.zeros(0)  # marker: state initialised
+        return ([self.state[f"exp_avg.{i}"] for i in range(len(params))],
+                [self.state[f"exp_avg_sq.{i}"] for i in range(len(params))])
+
+
+class Optimizer(Protocol):
+    """What a strategy reads and calls of the optimizer it serves (optim.MuonAdamW): its groups,
+    the ranks that step together, and the update math. A protocol, so the strategies need not
+    import the optimizer that imports them."""
+
+    groups: list[Group]
+    params: list[torch.nn.Parameter]
+    device: torch.device
+    rank: int
+    world_size: int
+    group: dist.ProcessGroup | None  # the ranks that step together (None: the world)
+    step_count: int
+    sync_in_backward: bool
+
+    def adamw(self, g: Group, params: list[torch.Tensor], grads: list[torch.Tensor], m: list[torch.Tensor],
+              v: list[torch.Tensor]) -> None: ...
+
+    def muon(self, g: Group, params: torch.Tensor | list[torch.Tensor], grads: torch.Tensor,
+             mom: torch.Tensor) -> None: ...
 
 
 # A group's whole optimizer state, whatever strategy kept it: each tensor (items, *item) as in
@@ -61,7 +116,7 @@ class SyncStrategy:
     phase = "optimizer step"  # the watchdog's name for a step() that hangs or fails
     name = ""  # how a checkpoint names the strategy that saved it
 
-    def __init__(self, opt: MuonAdamW):
+    def __init__(self, opt: Optimizer):
         self.opt = opt  # its groups, step count and sync_in_backward flag; its adamw and muon updates
         self.comm_wait = 0.0  # seconds the last step spent blocked on communication (zeroed by the optimizer)
 

@@ -34,17 +34,12 @@ implement for reduce-scatter.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from .sparse_rows import TouchedRows
-from .sync_strategy import FlatLayout, SlicedState, all_gather, grad_into, view_into, wait_timed
-
-if TYPE_CHECKING:
-    from .optim import Group, MuonAdamW
-
+from .sync_strategy import FlatLayout, Group, Optimizer, SlicedState, all_gather, grad_into, view_into, wait_timed
 
 
 @dataclass
@@ -69,7 +64,7 @@ class Zero2Sync(SlicedState):
     phase = "optimizer reduce-scatter/all-gather"
     name = "zero2"
 
-    def __init__(self, opt: MuonAdamW, comm_dtype: torch.dtype, param_comm_dtype: torch.dtype):
+    def __init__(self, opt: Optimizer, comm_dtype: torch.dtype, param_comm_dtype: torch.dtype):
         super().__init__(opt)
         self.comm_dtype, self.param_comm_dtype = comm_dtype, param_comm_dtype
         self.rank, self.world_size = opt.rank, opt.world_size

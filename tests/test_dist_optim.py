@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from nanochat_cpu.optim import Group, MuonAdamW
+from nanochat_cpu.optim import MuonAdamW
+from nanochat_cpu.sync_strategy import Group
 from tests.trainer_runs import ENTRY_POINTS, REPO, node_env, run_torchrun
 
 WORKER = str(ENTRY_POINTS / "dist_worker.py")

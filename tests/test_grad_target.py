@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from nanochat_cpu.grad_target import linear, release_grad_target, set_grad_target
 from nanochat_cpu.loss import softcapped_cross_entropy
-from nanochat_cpu.optim import Group, MuonAdamW
+from nanochat_cpu.optim import MuonAdamW
+from nanochat_cpu.sync_strategy import Group
 
 
 def test_linear_writes_its_weight_gradient_into_the_target_and_accumulates_there():

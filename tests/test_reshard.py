@@ -16,7 +16,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from nanochat_cpu.optim import Group, MuonAdamW, merge_optimizer_states
+from nanochat_cpu.optim import MuonAdamW, merge_optimizer_states
+from nanochat_cpu.sync_strategy import Group
 from tests.trainer_runs import ENTRY_POINTS, REPO, node_env, run_torchrun
 
 WORKER = str(ENTRY_POINTS / "reshard_worker.py")
