@@ -17,6 +17,7 @@ import torch
 
 from nanochat_cpu import checkpoint_files
 from nanochat_cpu.outer_policy import AUTO_FIRST_PHASE
+from nanochat_cpu.run_state import RunState
 from tests.entry_points.local_steps_worker import OUTER_LR, OUTER_MOMENTUM
 from tests.trainer_runs import (
     ENTRY_POINTS,
@@ -677,11 +678,13 @@ def test_the_split_is_checked_again_when_the_local_steps_begin(tiny_data_dir, ti
     assert re.findall(r"rank 0/2\] outer step (\d) at step (\d+)", out) == [("1", "00007"), ("2", "00011"),
                                                                          ("3", "00012")], out
     assert sorted(losses(out)) == list(range(1, 13))
-    saved = torch.load(tmp_path / "n0" / "checkpoints" / "step_000003" / "rank0.pt", weights_only=False)
-    assert saved["extra"]["split_settled"] is False
-    final = torch.load(tmp_path / "n0" / "checkpoints" / "step_000012" / "rank0.pt", weights_only=False)
-    assert final["extra"]["split_settled"] is True
-    assert final["extra"]["rank_batch_sizes"] == [int(moved.group(1)), int(moved.group(2))]
+    saved = RunState.of_rank_file(torch.load(tmp_path / "n0" / "checkpoints" / "step_000003" / "rank0.pt",
+                                             weights_only=False))
+    assert saved.split_settled is False
+    final = RunState.of_rank_file(torch.load(tmp_path / "n0" / "checkpoints" / "step_000012" / "rank0.pt",
+                                             weights_only=False))
+    assert final.split_settled is True
+    assert final.rank_batch_sizes == [int(moved.group(1)), int(moved.group(2))]
     for node in range(2):
         shutil.rmtree(tmp_path / f"n{node}" / "checkpoints" / "step_000012")
     again = assert_ok(collect([spawn_node(2, n, port, flags[n], env=env)

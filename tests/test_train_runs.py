@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from nanochat_cpu.dist import EXIT_MISMATCH
+from nanochat_cpu.run_state import RunState
 from tests.trainer_runs import (
     ENTRY_POINTS,
     REPO,
@@ -256,7 +257,7 @@ def test_a_split_measured_while_a_host_was_busy_is_corrected_by_the_first_steps(
     full = losses(out0)
     assert sorted(full) == list(range(1, 13))
     saved = torch.load(tmp_path / "node0" / "checkpoints" / "step_000004" / "rank0.pt", weights_only=False)
-    assert saved["extra"]["rank_batch_sizes"] == split
+    assert RunState.of_rank_file(saved).rank_batch_sizes == split
     # resumed from step 8, with node 1's core busy again throughout: the checkpoint's split was
     # checked, so it stays (a new one would change the redone steps' losses), and the losses equal
     # the uninterrupted run's, which also shows the re-split run's loader and loss weights were right
