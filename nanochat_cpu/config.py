@@ -36,50 +36,60 @@ SYNC_WARMUP_RATIO = 0.05
 
 @dataclass
 class TrainConfig:
+    """The trainer's flags, each field one `--kebab-case` flag. A field whose metadata has
+    "run_example" is one a train.yml run sets (run_args.py builds them in this order): its value is
+    what the controller suggests when the extra-var of that name is wrong (None: no extra-var of
+    that name sets it; train_device sets --device, and validate checks run_name itself)."""
+
     # where things are
     data_dir: str = field(default="data", metadata={"help": "parquet shards + manifest.json"})
     tokenizer_dir: str = field(default="tokenizer", metadata={"help": "dir holding tokenizer.json"})
     out_dir: str = field(default="runs", metadata={"help": "checkpoints and the local MLflow store"})
-    run_name: str = field(default="base", metadata={"help": "names the checkpoint dir and the MLflow run"})
+    run_name: str = field(default="base", metadata={"run_example": None,
+                                                    "help": "names the checkpoint dir and the MLflow run"})
     tracking_uri: str = field(
         default="", metadata={"help": "MLflow tracking URI; empty = sqlite store under --out-dir; 'none' disables"}
     )
     # device truth: what the user asked for, never what hardware happens to exist
-    device: str = field(default="cpu", metadata={"choices": ("cpu", "cuda"), "help": "device to train on"})
+    device: str = field(default="cpu", metadata={"run_example": None,
+                                                 "choices": ("cpu", "cuda"), "help": "device to train on"})
     dtype: str = field(
         default="auto",
-        metadata={"choices": ("auto", "float32", "bfloat16"),
+        metadata={"run_example": "auto", "choices": ("auto", "float32", "bfloat16"),
                   "help": "auto: bf16 on CUDA; on CPU bf16 only where every rank's CPU has native bf16 "
                           "(AVX512-BF16/AMX), else fp32"},
     )
     compile: str = field(
         default="auto",
-        metadata={"choices": ("auto", "on", "off"), "help": "torch.compile; auto = where measured faster"},
+        metadata={"run_example": "auto",
+                  "choices": ("auto", "on", "off"), "help": "torch.compile; auto = where measured faster"},
     )
     # model shape (nanochat's: width follows depth)
-    depth: int = field(default=4, metadata={"help": "number of transformer blocks"})
+    depth: int = field(default=4, metadata={"run_example": "8", "help": "number of transformer blocks"})
     aspect_ratio: int = field(default=64, metadata={"help": "model_dim = depth * aspect_ratio (rounded to head_dim)"})
     head_dim: int = field(default=128, metadata={"help": "attention head dimension"})
     window_pattern: str = field(default="SSSL", metadata={"help": "per-layer windows: S = half context, L = full"})
-    max_seq_len: int = field(default=512, metadata={"help": "context length in tokens"})
+    max_seq_len: int = field(default=512, metadata={"run_example": "512", "help": "context length in tokens"})
     # batch
-    device_batch_size: int = field(default=2, metadata={"help": "sequences per rank per micro-step"})
+    device_batch_size: int = field(default=2, metadata={"run_example": "2",
+                                                        "help": "sequences per rank per micro-step"})
     rank_batch_sizes: str = field(
         default="",
         metadata={"help": "uneven split: sequences per micro-step for each rank, e.g. '6,2' (faster hosts "
                           "more); 'auto' measures each rank at start; empty = --device-batch-size everywhere"},
     )
-    total_batch_size: int = field(default=1024, metadata={"help": "tokens per optimizer step over all ranks"})
+    total_batch_size: int = field(default=1024, metadata={"run_example": "auto",
+                                                          "help": "tokens per optimizer step over all ranks"})
     packing: str = field(
         default="bestfit",
-        metadata={"choices": ("bestfit", "stream"),
+        metadata={"run_example": "bestfit", "choices": ("bestfit", "stream"),
                   "help": "how documents fill the rows (train and val alike): bestfit = every row starts at a "
                           "document, the longest that fit whole first, the last one cropped to the row's end "
                           "(nanochat's loader: one giant document costs a row); stream = back to back, nothing "
                           "cropped (a document many rows long is read whole)"},
     )
     # schedule
-    num_iterations: int = field(default=200, metadata={"help": "optimizer steps"})
+    num_iterations: int = field(default=200, metadata={"run_example": "200", "help": "optimizer steps"})
     warmup_ratio: float = field(default=0.0, metadata={"help": "fraction of steps of linear LR warmup"})
     warmdown_ratio: float = field(default=0.2, metadata={"help": "fraction of steps of linear LR decay at the end"})
     final_lr_frac: float = field(default=0.0, metadata={"help": "LR at the end, as a fraction of the peak"})
@@ -94,11 +104,12 @@ class TrainConfig:
     )
     grad_comm_dtype: str = field(
         default="float32",
-        metadata={"choices": ("float32", "bfloat16"), "help": "dtype gradients travel in (bf16 halves the bytes)"},
+        metadata={"run_example": "bfloat16",
+                  "choices": ("float32", "bfloat16"), "help": "dtype gradients travel in (bf16 halves the bytes)"},
     )
     param_comm_dtype: str = field(
         default="float32",
-        metadata={"choices": ("float32", "bfloat16"),
+        metadata={"run_example": "bfloat16", "choices": ("float32", "bfloat16"),
                   "help": "dtype updated parameters travel in; bfloat16 sends rounded updates (half the bytes), "
                           "weights stay identical on every rank"},
     )
@@ -111,19 +122,22 @@ class TrainConfig:
     # low-communication training across nodes (sync_diloco.py)
     sync_every: str = field(
         default="1",
-        metadata={"help": "inner steps between the nodes' outer syncs: 1 = every step is synchronous (ZeRO-2); "
+        metadata={"run_example": "auto",
+                  "help": "inner steps between the nodes' outer syncs: 1 = every step is synchronous (ZeRO-2); "
                           "H > 1 = each node trains alone for H steps, then the nodes average their progress "
                           "(DiLoCo); auto = the H at which waiting on the wire is at most 5 percent of the wall time, "
                           "from the first outer sync's measured seconds"},
     )
     # defaults: plain averaging, which beat DiLoCo's published 0.7 / 0.9 at H 8 and 32
     # (docs/TRAINER.md, "Local steps across nodes")
-    outer_lr: float = field(default=1.0, metadata={"help": "outer SGD LR on the nodes' averaged pseudo-gradient "
+    outer_lr: float = field(default=1.0, metadata={"run_example": "1.0",
+                                                   "help": "outer SGD LR on the nodes' averaged pseudo-gradient "
                                                            "(1 with momentum 0: the nodes' token-weighted average)"})
-    outer_momentum: float = field(default=0.0, metadata={"help": "outer Nesterov momentum, in [0, 1)"})
+    outer_momentum: float = field(default=0.0, metadata={"run_example": "0.0",
+                                                         "help": "outer Nesterov momentum, in [0, 1)"})
     outer_overlap: str = field(
         default="auto",
-        metadata={"choices": ("auto", "on", "off"),
+        metadata={"run_example": "off", "choices": ("auto", "on", "off"),
                   "help": "with local steps: on = each outer sync crosses in the background of the next inner "
                           "steps and lands a few steps late (none before an evaluation, a sample, a checkpoint or "
                           "the last step; --sync-every auto then needs only the steps a sync takes to cross); "
@@ -134,28 +148,34 @@ class TrainConfig:
     # local steps cost the most quality early, while the model changes fastest (post-local SGD)
     sync_warmup_ratio: float = field(
         default=SYNC_WARMUP_RATIO,
-        metadata={"help": "with local steps (--sync-every above 1 or auto): the fraction of --num-iterations "
+        metadata={"run_example": "0.05",
+                  "help": "with local steps (--sync-every above 1 or auto): the fraction of --num-iterations "
                           "trained with every step synchronous before the nodes start their inner phases "
                           "(with auto at least 3 steps: auto times 2, and at most the steps whose waits on the "
                           "wire fit in 5%% of the run's wall time; 0 = local steps from the first step)"},
     )
     # evaluation, logging, checkpoints
-    eval_every: int = field(default=100, metadata={"help": "steps between val bpb evaluations (0 = only at the end, "
+    eval_every: int = field(default=100, metadata={"run_example": "100",
+                                                   "help": "steps between val bpb evaluations (0 = only at the end, "
                                                            "-1 = never)"})
-    eval_tokens: int = field(default=16384, metadata={"help": "validation tokens per evaluation"})
-    sample_every: int = field(default=100, metadata={"help": "steps between samples from the model (0 = only at the "
+    eval_tokens: int = field(default=16384, metadata={"run_example": "16384",
+                                                      "help": "validation tokens per evaluation"})
+    sample_every: int = field(default=100, metadata={"run_example": "100",
+                                                     "help": "steps between samples from the model (0 = only at the "
                                                              "end, -1 = never)"})
-    checkpoint_every: int = field(default=50, metadata={"help": "steps between checkpoints (0 = only at end)"})
+    checkpoint_every: int = field(default=50, metadata={"run_example": "50",
+                                                        "help": "steps between checkpoints (0 = only at end)"})
     keep_checkpoints: int = field(default=2, metadata={"help": "complete checkpoints to keep (at least 2: a "
                                                            "node that dies while one is sealed leaves the other)"})
     resume: str = field(
-        default="auto", metadata={"choices": ("auto", "never"), "help": "resume from the latest checkpoint"}
+        default="auto", metadata={"run_example": "auto",
+                                  "choices": ("auto", "never"), "help": "resume from the latest checkpoint"}
     )
     checksum_every: int = field(default=50, metadata={"help": "steps between cross-rank parameter checksums"})
     collective_timeout: float = field(
         default=600.0, metadata={"help": "seconds a rank may wait in one collective before it exits"}
     )
-    seed: int = field(default=42, metadata={"help": "RNG seed (same on every rank)"})
+    seed: int = field(default=42, metadata={"run_example": "42", "help": "RNG seed (same on every rank)"})
 
 
 class ConfigError(ValueError):

@@ -11,24 +11,18 @@ module imports none.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from typing import Any
 
-from .config import ConfigError, check
+from .config import ConfigError, TrainConfig, check
 
-# The flags every run sets, in the order the unit's TRAIN_ARGS has always had them (train_extra_args
-# come last, so a flag there wins), each with the value the controller suggests when the extra-var
-# of the same name is wrong. None: no extra-var of that name sets it (train_device sets --device,
-# and validate checks it and run_name itself).
-RUN_FLAGS: dict[str, str | None] = {
-    "device": None, "dtype": "auto", "compile": "auto", "depth": "8", "max_seq_len": "512",
-    "device_batch_size": "2", "total_batch_size": "auto", "num_iterations": "200", "eval_every": "100",
-    "eval_tokens": "16384", "sample_every": "100", "checkpoint_every": "50", "resume": "auto", "seed": "42",
-    "run_name": None, "packing": "bestfit", "sync_every": "auto", "outer_lr": "1.0", "outer_momentum": "0.0",
-    "outer_overlap": "off", "sync_warmup_ratio": "0.05", "grad_comm_dtype": "bfloat16",
-    "param_comm_dtype": "bfloat16",
-}
+# The flags every run sets, in TrainConfig's order (train_extra_args come last, so a flag there
+# wins), each with the value the controller suggests when the extra-var of the same name is wrong:
+# TrainConfig's "run_example" metadata, so a flag is named in one place.
+RUN_FLAGS: dict[str, str | None] = {f.name: f.metadata["run_example"] for f in dataclasses.fields(TrainConfig)
+                                    if "run_example" in f.metadata}
 # What validate derives besides the settings: how each micro-step's rows are split among the ranks,
 # the extra flags, and the inventory's nodes in rank order.
 RUN_INPUTS = ("work_split", "extra_args", "train_rows", "nproc_per_node")

@@ -2,7 +2,8 @@
 
 The role's `validate` builds the flags and `node_args` adds the node's paths; the unit's env file
 carries the result as TRAIN_ARGS, which systemd splits at whitespace. These argvs were taken from
-the role as it was before the flags were built in Python, for settings that reach every branch
+the role as it was before the flags were built in Python (since in TrainConfig's order, where the
+flags are named), for settings that reach every branch
 (defaults, each work split, total_batch_size auto and given, extra flags, extra-vars given as
 JSON numbers): a change that moves, drops or rewords one flag shows here.
 """
@@ -43,11 +44,11 @@ SHOW = """- hosts: localhost
 """
 
 DEFAULT_FLAGS = (
-    "--device cpu --dtype auto --compile auto --depth 4 --max-seq-len 512 --device-batch-size 2 "
-    "--total-batch-size {total} --num-iterations 200 --eval-every 100 --eval-tokens 16384 --sample-every 100 "
-    "--checkpoint-every 50 --resume auto --seed 42 --run-name d4 --packing bestfit --sync-every auto "
-    "--outer-lr 1.0 --outer-momentum 0.0 --outer-overlap auto --sync-warmup-ratio 0.05 "
-    "--grad-comm-dtype bfloat16 --param-comm-dtype bfloat16 --rank-batch-sizes {split}"
+    "--run-name d4 --device cpu --dtype auto --compile auto --depth 4 --max-seq-len 512 --device-batch-size 2 "
+    "--total-batch-size {total} --packing bestfit --num-iterations 200 --grad-comm-dtype bfloat16 "
+    "--param-comm-dtype bfloat16 --sync-every auto --outer-lr 1.0 --outer-momentum 0.0 --outer-overlap auto "
+    "--sync-warmup-ratio 0.05 --eval-every 100 --eval-tokens 16384 --sample-every 100 --checkpoint-every 50 "
+    "--resume auto --seed 42 --rank-batch-sizes {split}"
 )
 NODE_FLAGS = " --data-dir /d --tokenizer-dir /t --out-dir /r/{run} --tracking-uri http://10.0.0.1:5000"
 
@@ -72,11 +73,11 @@ CASES = {
          "-e compile=off -e resume=never -e seed=7 -e packing=stream -e sync_every=8 -e outer_lr=0.7 "
          "-e outer_momentum=0.9 -e outer_overlap=on -e sync_warmup_ratio=0 -e grad_comm_dtype=float32 "
          "-e param_comm_dtype=float32 -e run_name=pinned").split(),
-        "--device cpu --dtype float32 --compile off --depth 8 --max-seq-len 256 --device-batch-size 4 "
-        "--total-batch-size 2048 --num-iterations 500 --eval-every -1 --eval-tokens 8192 --sample-every 0 "
-        "--checkpoint-every 0 --resume never --seed 7 --run-name pinned --packing stream --sync-every 8 "
-        "--outer-lr 0.7 --outer-momentum 0.9 --outer-overlap on --sync-warmup-ratio 0 --grad-comm-dtype float32 "
-        "--param-comm-dtype float32" + NODE_FLAGS.format(run="pinned"),
+        "--run-name pinned --device cpu --dtype float32 --compile off --depth 8 --max-seq-len 256 "
+        "--device-batch-size 4 --total-batch-size 2048 --packing stream --num-iterations 500 "
+        "--grad-comm-dtype float32 --param-comm-dtype float32 --sync-every 8 --outer-lr 0.7 --outer-momentum 0.9 "
+        "--outer-overlap on --sync-warmup-ratio 0 --eval-every -1 --eval-tokens 8192 --sample-every 0 "
+        "--checkpoint-every 0 --resume never --seed 7" + NODE_FLAGS.format(run="pinned"),
     ),
     "extra-vars as JSON numbers": (
         {},
@@ -184,7 +185,7 @@ def test_run_args_on_the_command_line_needs_no_torch() -> None:
     ok = subprocess.run([sys.executable, "-c", code, json.dumps(SETTINGS)], cwd=ROOT,
                         capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0, ok.stderr
-    assert json.loads(ok.stdout)["argv"][:2] == ["--device", "cpu"]
+    assert json.loads(ok.stdout)["argv"][2:4] == ["--device", "cpu"]
     bad = subprocess.run([sys.executable, "-c", code, json.dumps({**SETTINGS, "seed": -1})], cwd=ROOT,
                          capture_output=True, text=True, timeout=60)
     assert bad.returncode == 2
