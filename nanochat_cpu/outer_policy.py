@@ -150,8 +150,9 @@ def keep_synchronous(wire_share: float | None) -> tuple[bool, str]:
 
     `wire_share` is the share of the warm-up's timed steps that the last rank to arrive spent
     waiting in the optimizer's collectives, which is the wire's own time (the others' wait also
-    holds their wait for that rank); None when no step was timed (train.py stretches the warm-up
-    to AUTO_TIMED_STEPS timed steps; a process's first step is not timed, it allocates). Where
+    holds their wait for that rank); None when no step was timed (local_steps.auto_on_resume
+    stretches the warm-up to AUTO_TIMED_STEPS timed steps; a process's first step is not timed, it
+    allocates). Where
     synchronous steps wait at most AUTO_WIRE_SHARE, local steps have nothing to win: they would
     still pay their outer syncs, each node's optimizer on the whole model (ZeRO-2 shares it out),
     and the quality averaging costs."""

@@ -1,14 +1,18 @@
 """Where the run stands, as a file beside its checkpoints: what status.yml and train.yml's follow read.
 
-Each node's first rank keeps `<out_dir>/status.json` (STATUS_FILE), replaced whole after every
-step (a temporary file renamed over it), so a reader never sees half of one. It says where the run
-stands as that node sees it: the master's (rank 0's) holds the run's loss, its latest val bpb,
-the speed verdict and the latest sample; another node's holds the loss of its own ranks' batch.
-The journal's lines stay as they are, for people: no tool parses them.
+Each disk's writer (the master's disk: rank 0) keeps `<out_dir>/status.json` (STATUS_FILE),
+replaced whole after every step (a temporary file renamed over it), so a reader never sees half
+of one. It says where the run stands as that node sees it: the master's holds the run's loss, its
+latest val bpb, the speed verdict and the latest sample; another node's holds the loss of its own
+ranks' batch. `state` is `starting` from the set-up to the first step, then `training`, and
+`done` or `stopped` at the end; a run that failed keeps its last one, and its unit says failed. A
+resumed run starts from the file it left, so its last step, val bpb and verdict stay in view. The
+journal's lines stay as they are, for people: no tool parses them.
 
 The file's keys are its contract with roles/run/library/run_progress.py, which reads them; a key
-is added, never renamed (`version` says which). Writing it never stops a run: a full disk is the
-checkpoint's to report, with its fix.
+is added, never renamed (`version` says which). The file is written by a thread of its own, the
+newest state at a time: a disk that stops answering holds that thread, never a step (the
+checkpoint's watchdog names such a disk), and a full one is the checkpoint's to report.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import threading
 import time
 from typing import Any
 
@@ -23,37 +28,83 @@ from .dist import DistEnv, log
 
 STATUS_FILE = "status.json"
 VERSION = 1
+KEPT_ON_RESUME = ("step", "loss", "tok_per_s", "mfu", "elapsed_s", "eta_s", "elapsed", "eta", "val_bpb", "val_step",
+                  "verdict", "sample")
 
 
 class RunStatus:
-    def __init__(self, out_dir: str, run_name: str, env: DistEnv, total: int):
+    def __init__(self, out_dir: str, run_name: str, env: DistEnv, total: int, writes: bool, resumed: bool):
+        """`writes`: this rank is its disk's writer; `resumed`: the run goes on from a checkpoint,
+        so what the file said of it before stays until this process has newer."""
         self.env = env
-        self.path = os.path.join(out_dir, STATUS_FILE) if env.local_rank == 0 else None  # one writer a node
-        self.failed_once = False
+        self.path = os.path.join(out_dir, STATUS_FILE) if writes else None
         self.fields: dict[str, Any] = {
             "version": VERSION, "run": run_name, "host": env.host, "rank": env.rank,
             "world_size": env.world_size, "members": sorted(set(env.hosts or [env.host])),
-            "state": "training", "step": None, "total": total,
+            "state": "starting", "step": None, "total": total,
             # the run's loss on the master; elsewhere the loss of this node's ranks' batch
             "loss": None, "loss_of": "run" if env.master else "this node's ranks",
             "tok_per_s": None, "mfu": None, "elapsed_s": None, "eta_s": None, "elapsed": None, "eta": None,
             "val_bpb": None, "val_step": None, "verdict": None, "sample": None, "updated": None,
         }
+        if self.path is not None and resumed:
+            self.fields.update({k: v for k, v in self._earlier(run_name).items() if k in KEPT_ON_RESUME})
+        self.failed_once = False
+        self._cond = threading.Condition()
+        self._pending: dict[str, Any] | None = None  # the newest state not yet written
+        self._writing = False
+        self._thread: threading.Thread | None = None
+
+    def _earlier(self, run_name: str) -> dict:
+        try:
+            with open(self.path) as f:
+                earlier = json.load(f)
+        except (OSError, ValueError):
+            return {}
+        return earlier if isinstance(earlier, dict) and earlier.get("run") == run_name else {}
 
     def update(self, **fields: Any) -> None:
-        """Set `fields` and write the file (on a node's first rank)."""
+        """Set `fields`; the writer thread writes the file (on a disk's writer) without the caller waiting."""
         unknown = set(fields) - set(self.fields)
         if unknown:  # a typo here would be a key no reader knows
             raise KeyError(f"not a status field: {sorted(unknown)}")
         self.fields.update(fields, updated=round(time.time(), 3))
-        if self.path is not None:
-            self._write()
+        if self.path is None:
+            return
+        with self._cond:
+            self._pending = dict(self.fields)
+            self._cond.notify_all()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._writer, name="status-file", daemon=True)
+            self._thread.start()
 
-    def _write(self) -> None:
+    def flush(self, timeout_s: float = 5.0) -> bool:
+        """Wait, at most `timeout_s`, for the newest state to reach the file (the run's last)."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._pending is not None or self._writing:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def _writer(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None:
+                    self._cond.wait()
+                fields, self._pending, self._writing = self._pending, None, True
+            self._write(fields)
+            with self._cond:
+                self._writing = False
+                self._cond.notify_all()
+
+    def _write(self, fields: dict[str, Any]) -> None:
         tmp = f"{self.path}.tmp.{os.getpid()}"
         try:
             with open(tmp, "w") as f:
-                json.dump(self.fields, f)
+                json.dump(fields, f)
             os.replace(tmp, self.path)
         except OSError as exc:
             with contextlib.suppress(OSError):

@@ -182,8 +182,9 @@ def log_step(cfg: TrainConfig, env: DistEnv, tracker: Tracker, status: RunStatus
                          "step_ms": dt * 1000, "compute_ms": t_compute * 1000,
                          "comm_wait_ms": comm_wait * 1000, "elapsed_s": progress.elapsed_s,
                          "eta_s": progress.eta_s}, progress.step)
-    status.update(step=progress.step, loss=train_loss, tok_per_s=tok_per_s, mfu=mfu, elapsed_s=progress.elapsed_s,
-                  eta_s=progress.eta_s, elapsed=human_duration(progress.elapsed_s), eta=human_duration(progress.eta_s))
+    status.update(state="training", step=progress.step, loss=train_loss, tok_per_s=tok_per_s, mfu=mfu,
+                  elapsed_s=progress.elapsed_s, eta_s=progress.eta_s, elapsed=human_duration(progress.elapsed_s),
+                  eta=human_duration(progress.eta_s))
 
 
 def log_sample(env: DistEnv, model: GPT, tokenizer: Tokenizer, step: int) -> str:
@@ -279,7 +280,9 @@ def build(cfg: TrainConfig, ranks: Ranks) -> Training:
     if env.master:
         log(env, f"matmul peak {peak / 1e9:.0f} GFLOP/s per rank ({ranks.ctx_dtype}); MFU is measured against it")
     plan.begin(model, opt, sizes, saved, start_step, local_now)
-    status = RunStatus(cfg.out_dir, cfg.run_name, env, cfg.num_iterations)
+    status = RunStatus(cfg.out_dir, cfg.run_name, env, cfg.num_iterations, writes=disks.writer(env.rank),
+                       resumed=start_step > 0)
+    status.update(state="starting")
     return Training(cfg, ranks, model, opt, loader, tracker, plan, disks, background, compiling, status, ctx, fpt,
                     peak,
                     start_step, sizes, accum, fixed_rows, split, StopBudget(shutdown_budget_s()),
@@ -502,11 +505,13 @@ def run(cfg: TrainConfig) -> int:
                  f"when it is started again (train.yml), losing no step; peak RSS {peak_rss_mib():.0f} MiB")
         t.tracker.finish("KILLED")
         t.status.update(state="stopped")
+        t.status.flush()
         code = EXIT_STOPPED
     else:
         log(env, f"done: {step} steps, peak RSS {peak_rss_mib():.0f} MiB")
         t.tracker.finish()
         t.status.update(state="done")
+        t.status.flush()
         code = 0
     if env.distributed:
         with watchdog.phase("final barrier", step):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -133,8 +134,9 @@ def written_status(tmp_path, rank: int, **fields) -> str:
     env = DistEnv(rank=rank, local_rank=0, world_size=3, backend="gloo", host=f"node{rank}",
                   hosts=["node0", "node1", "node2"])
     tmp_path.mkdir(exist_ok=True)
-    status = RunStatus(str(tmp_path), "d4", env, 40)
-    status.update(**fields)
+    status = RunStatus(str(tmp_path), "d4", env, 40, writes=True, resumed=False)
+    status.update(state="training", **fields)
+    assert status.flush()
     return status.path
 
 
@@ -174,13 +176,45 @@ def test_run_progress_before_the_first_step_and_on_what_is_not_the_trainers_file
     assert rp.progress_line("d4", "active/running", "0", rp.columns({})) == "d4: active/running, no step yet"
 
 
-def test_only_a_nodes_first_rank_writes_and_a_typo_is_refused(tmp_path) -> None:
+def test_only_a_disks_writer_writes_and_a_typo_is_refused(tmp_path) -> None:
     from nanochat_cpu.dist import DistEnv
     from nanochat_cpu.run_status import RunStatus
 
     env = DistEnv(rank=1, local_rank=1, world_size=2, backend="gloo", host="node0", hosts=["node0", "node0"])
-    second = RunStatus(str(tmp_path), "d4", env, 40)
+    second = RunStatus(str(tmp_path), "d4", env, 40, writes=False, resumed=False)
     second.update(step=1)
-    assert second.path is None and not (tmp_path / "status.json").exists()
+    assert second.path is None and second.flush() and not (tmp_path / "status.json").exists()
     with pytest.raises(KeyError, match="not a status field"):
         second.update(stepp=2)
+
+
+def test_a_resumed_run_keeps_what_the_file_said_and_a_stuck_disk_holds_no_step(tmp_path, monkeypatch) -> None:
+    """After a restart the last step, val bpb and verdict stay in view until newer ones (a fresh run
+    of the same name starts empty); the file is written by a thread, so a disk that stops
+    answering holds that thread and never the step that updates it."""
+    import threading
+
+    from nanochat_cpu.dist import DistEnv
+    from nanochat_cpu.run_status import RunStatus
+
+    rp = run_progress()
+    path = written_status(tmp_path, 0, step=30, loss=4.5, val_bpb=2.5, val_step=30, verdict="FASTER THAN ONE NODE")
+    env = DistEnv(rank=0, local_rank=0, world_size=3, backend="gloo", host="node0", hosts=["node0", "node1", "node2"])
+    again = RunStatus(str(tmp_path), "d4", env, 40, writes=True, resumed=True)
+    again.update(state="starting")
+    assert again.flush()
+    said = rp.read_status(path)
+    assert (said["state"], said["step"], said["val_bpb"], said["verdict"]) == ("starting", 30, 2.5,
+                                                                               "FASTER THAN ONE NODE")
+    fresh = RunStatus(str(tmp_path), "d4", env, 40, writes=True, resumed=False)
+    fresh.update(state="starting")
+    assert fresh.flush() and rp.read_status(path)["step"] is None
+    stuck = threading.Event()
+    monkeypatch.setattr(RunStatus, "_write", lambda self, fields: stuck.wait(30))
+    hung = RunStatus(str(tmp_path), "d4", env, 40, writes=True, resumed=False)
+    t0 = time.monotonic()
+    for step in range(1, 50):
+        hung.update(state="training", step=step)
+    assert time.monotonic() - t0 < 1.0 and hung.flush(timeout_s=0.2) is False
+    stuck.set()
+    assert hung.flush(timeout_s=5.0)

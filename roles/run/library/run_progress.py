@@ -14,7 +14,7 @@ module: run_progress
 short_description: Where a nanochat training run stands on this node
 description:
   - Reads the state of C(nanochat-train@RUN) from systemd and where the run stands from the
-    trainer's status file (C(status.json) in the run's directory, which the node's first rank
+    trainer's status file (C(status.json) in the run's directory, which the node's trainer
     replaces after every step: on the master the run's loss, val bpb, speed verdict and sample;
     elsewhere the loss of that node's ranks), and the trainer's last journal line as it is. Returns
     them, plus one human line, C(progress), that the repository's stdout callback prints while a
