@@ -529,7 +529,11 @@ def main(argv: list[str] | None = None) -> int:
               "prints one JSON line; exit 0 when the trainer would accept the flags, 2 with the problem",
               file=sys.stderr)
         return 2
-    verdict = check(argv[1:], world_size_from_env())
+    return report(check(argv[1:], world_size_from_env()))
+
+
+def report(verdict: dict) -> int:
+    """A controller command's verdict: one JSON line, and the exit code (2 with the problem on stderr)."""
     print(json.dumps(verdict))
     if not verdict["ok"]:
         print(verdict["message"], file=sys.stderr)

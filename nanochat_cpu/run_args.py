@@ -16,7 +16,7 @@ import json
 import sys
 from typing import Any
 
-from .config import ConfigError, TrainConfig, check
+from .config import ConfigError, TrainConfig, check, report
 
 # The flags every run sets, in TrainConfig's order (train_extra_args come last, so a flag there
 # wins), each with the value the controller suggests when the extra-var of the same name is wrong:
@@ -148,12 +148,7 @@ def main(argv: list[str] | None = None) -> int:
               "prints one JSON line; exit 0 when the trainer would accept the flags, 2 with the problem",
               file=sys.stderr)
         return 2
-    verdict = run_args(json.loads(argv[0]))
-    print(json.dumps(verdict))
-    if not verdict["ok"]:
-        print(verdict["message"], file=sys.stderr)
-        return 2
-    return 0
+    return report(run_args(json.loads(argv[0])))
 
 
 if __name__ == "__main__":
