@@ -4,8 +4,8 @@
 dataclass so the two can never drift apart. Validation that needs no process group (batch
 arithmetic, ranges, paths) happens here, before rendezvous, so a bad value fails every rank
 at once with a message instead of leaving some rank waiting in a collective. train.yml judges a
-run's flags with the same parser and checks on the controller (`check`, at the end, which
-run_args.py calls), so this module imports no torch.
+run's flags with the same parser and checks on the controller (run_args.py), so this module
+imports no torch.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import json
 import math
 import os
 import shutil
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -477,69 +476,3 @@ def config_hash(cfg: TrainConfig) -> str:
     """Hash of the fields that must agree on every rank (paths and logging excluded)."""
     shared = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in PER_HOST_FIELDS}
     return hashlib.sha256(json.dumps(shared, sort_keys=True).encode()).hexdigest()
-
-
-# ---- python -m nanochat_cpu.config check <trainer flags> ----------------------------------
-# The trainer's own parser and validate() on flags, as the controller runs them (through
-# run_args.py) before any node is contacted, so the playbook never keeps a second copy of the rules.
-# This module imports no torch: the controller needs only the checkout.
-
-def check(argv: list[str], world_size: int) -> dict[str, Any]:
-    """The verdict on trainer flags: {"ok": True}, or the problem with its parts (see ConfigError)."""
-    parser = build_parser()
-    parser.exit_on_error = False  # type and choice errors come back as exceptions, to be reported in parts
-    try:
-        args, unknown = parser.parse_known_args(argv)
-        if unknown:
-            raise ConfigError(f"unrecognized arguments: {' '.join(unknown)}")
-        validate(TrainConfig(**vars(args)), world_size)
-    except argparse.ArgumentError as exc:
-        error = parser_problem(exc, argv)
-    except ConfigError as exc:
-        error = exc
-    else:
-        return {"ok": True}
-    spec = {f.name: f for f in dataclasses.fields(TrainConfig)}.get(error.field)
-    return {"ok": False, "message": str(error), "field": error.field, "value": error.value,
-            "problem": error.problem, "valid": error.valid, "help": spec.metadata.get("help", "") if spec else ""}
-
-
-def parser_problem(exc: argparse.ArgumentError, argv: list[str]) -> ConfigError:
-    """argparse's complaint (a value of the wrong type, or not one of the choices) in ConfigError's parts."""
-    flag = exc.argument_name or ""
-    fields = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(TrainConfig)}
-    if flag not in fields:
-        return ConfigError(str(exc))
-    f = fields[flag]
-    choices = f.metadata.get("choices", ())
-    if choices:
-        problem = "must be one of: " + ", ".join(choices)
-    elif f.name in POSITIVE_FIELDS:
-        problem = "must be a positive integer"
-    else:
-        problem = "must be an integer" if f.type in ("int", int) else "must be a number"
-    given = [arg for i, arg in enumerate(argv[1:]) if argv[i] == flag]  # the value after the flag
-    return ConfigError(str(exc), f.name, given[-1] if given else "", problem, choices)
-
-
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] != ["check"]:
-        print("usage: python -m nanochat_cpu.config check <trainer flags>  (WORLD_SIZE from the environment)\n"
-              "prints one JSON line; exit 0 when the trainer would accept the flags, 2 with the problem",
-              file=sys.stderr)
-        return 2
-    return report(check(argv[1:], world_size_from_env()))
-
-
-def report(verdict: dict) -> int:
-    """A controller command's verdict: one JSON line, and the exit code (2 with the problem on stderr)."""
-    print(json.dumps(verdict))
-    if not verdict["ok"]:
-        print(verdict["message"], file=sys.stderr)
-        return 2
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

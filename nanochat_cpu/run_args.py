@@ -4,19 +4,21 @@
 role keeps no list of flags: it passes the options of its entry point (the role's run_config_*
 variables, the prefix dropped: depth, work_split, extra_args, ...) with what it derived from the
 inventory (device, each node's train_rows and nproc_per_node), and gets back the argv and the
-trainer's own verdict on it (config.check: its parser and validate()), worded in the extra-vars
-that set the flags. The controller has the checkout, not necessarily torch: like config.py, this
-module imports none.
+trainer's own verdict on it (`check`: its parser and validate()), worded in the extra-vars
+that set the flags; `python -m nanochat_cpu.run_args check <trainer flags>` gives that verdict
+on flags as they are. The controller has the checkout, not necessarily torch: like config.py,
+this module imports none.
 """
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import sys
 from typing import Any
 
-from .config import ConfigError, TrainConfig, check, report
+from .config import POSITIVE_FIELDS, ConfigError, TrainConfig, build_parser, validate, world_size_from_env
 
 # The flags every run sets, in TrainConfig's order (train_extra_args come last, so a flag there
 # wins), each with the value the controller suggests when the extra-var of the same name is wrong:
@@ -141,10 +143,62 @@ def batch_message(value: str, valid: list[int], settings: dict[str, Any]) -> str
             f"max_seq_len.")
 
 
+# ---- the verdict on flags: the trainer's own parser and validate() ------------------------------
+
+def check(argv: list[str], world_size: int) -> dict[str, Any]:
+    """The verdict on trainer flags: {"ok": True}, or the problem with its parts (see ConfigError)."""
+    parser = build_parser()
+    parser.exit_on_error = False  # type and choice errors come back as exceptions, to be reported in parts
+    try:
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:
+            raise ConfigError(f"unrecognized arguments: {' '.join(unknown)}")
+        validate(TrainConfig(**vars(args)), world_size)
+    except argparse.ArgumentError as exc:
+        error = parser_problem(exc, argv)
+    except ConfigError as exc:
+        error = exc
+    else:
+        return {"ok": True}
+    spec = {f.name: f for f in dataclasses.fields(TrainConfig)}.get(error.field)
+    return {"ok": False, "message": str(error), "field": error.field, "value": error.value,
+            "problem": error.problem, "valid": error.valid, "help": spec.metadata.get("help", "") if spec else ""}
+
+
+def parser_problem(exc: argparse.ArgumentError, argv: list[str]) -> ConfigError:
+    """argparse's complaint (a value of the wrong type, or not one of the choices) in ConfigError's parts."""
+    flag = exc.argument_name or ""
+    fields = {"--" + f.name.replace("_", "-"): f for f in dataclasses.fields(TrainConfig)}
+    if flag not in fields:
+        return ConfigError(str(exc))
+    f = fields[flag]
+    choices = f.metadata.get("choices", ())
+    if choices:
+        problem = "must be one of: " + ", ".join(choices)
+    elif f.name in POSITIVE_FIELDS:
+        problem = "must be a positive integer"
+    else:
+        problem = "must be an integer" if f.type in ("int", int) else "must be a number"
+    given = [arg for i, arg in enumerate(argv[1:]) if argv[i] == flag]  # the value after the flag
+    return ConfigError(str(exc), f.name, given[-1] if given else "", problem, choices)
+
+
+def report(verdict: dict) -> int:
+    """A controller command's verdict: one JSON line, and the exit code (2 with the problem on stderr)."""
+    print(json.dumps(verdict))
+    if not verdict["ok"]:
+        print(verdict["message"], file=sys.stderr)
+        return 2
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["check"]:
+        return report(check(argv[1:], world_size_from_env()))
     if len(argv) != 1:
         print("usage: python -m nanochat_cpu.run_args '<a run's settings as JSON>'  (train.yml's validate)\n"
+              "       python -m nanochat_cpu.run_args check <trainer flags>  (WORLD_SIZE from the environment)\n"
               "prints one JSON line; exit 0 when the trainer would accept the flags, 2 with the problem",
               file=sys.stderr)
         return 2

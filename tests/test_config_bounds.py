@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from nanochat_cpu import config
+from nanochat_cpu import config, run_args
 from nanochat_cpu.config import ConfigError, TrainConfig, validate
 
 
@@ -98,7 +98,7 @@ def test_the_checked_width_is_the_model_s(depth: int, aspect_ratio: int, head_di
 
 
 def test_the_controller_s_check_reports_a_bound_in_parts() -> None:
-    verdict = config.check(["--depth", "100000"], world_size=1)
+    verdict = run_args.check(["--depth", "100000"], world_size=1)
     assert (verdict["ok"], verdict["field"], verdict["value"]) == (False, "depth", "100000")
     assert verdict["problem"].startswith("must be at most 64 (") and "fix: --depth 64 or less" in verdict["problem"]
 

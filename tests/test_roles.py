@@ -6,7 +6,7 @@ every module is named by FQCN, every playbook passes --syntax-check, yamllint an
 (production profile) pass, the interface filter picks the right NIC, lan_subnet must be a private
 range, the firewall's filters want each node's address and find only our stale ufw rules, a bad
 train.yml extra-var ends the playbook before any node play starts, and the trainer's own check it
-runs on the controller (python -m nanochat_cpu.run_args, through config.check) needs no torch.
+runs on the controller (python -m nanochat_cpu.run_args, through its check) needs no torch.
 """
 
 from __future__ import annotations
@@ -546,9 +546,10 @@ def test_work_split_from_the_inventory_is_checked_per_host(tmp_path: Path) -> No
 # ---- the trainer's own check of the flags, on the controller ---------------------------------------
 
 def config_check(*flags: str) -> subprocess.CompletedProcess:
-    """`python -m nanochat_cpu.config check`, the verdict run_args words, in a Python where torch cannot be imported."""
+    """`python -m nanochat_cpu.run_args check`, the verdict run_args words, in a Python where torch cannot be
+    imported."""
     code = ("import runpy, sys; sys.modules['torch'] = None; "
-            "runpy.run_module('nanochat_cpu.config', run_name='__main__')")
+            "runpy.run_module('nanochat_cpu.run_args', run_name='__main__')")
     return subprocess.run([sys.executable, "-c", code, "check", *flags], cwd=ROOT,
                           env={**env(), "WORLD_SIZE": "2", "PYTHONPATH": str(ROOT)},
                           capture_output=True, text=True, timeout=60)
