@@ -23,7 +23,7 @@ from typing import Any
 # Fields that may legitimately differ between hosts of one run (paths, logging). Everything
 # else must be identical on every rank and goes into the run fingerprint.
 PER_HOST_FIELDS = frozenset(
-    {"data_dir", "tokenizer_dir", "out_dir", "tracking_uri", "compile", "collective_timeout"}
+    {"data_dir", "tokenizer_dir", "out_dir", "tracking_uri", "compile", "collective_timeout", "peer_timeout"}
 )
 
 # --sync-warmup-ratio's default: at depth 4 and 2M tokens, H = 32 after 5% synchronous steps ended
@@ -174,6 +174,10 @@ class TrainConfig:
     collective_timeout: float = field(
         default=600.0, metadata={"help": "seconds a rank may wait in one collective before it exits"}
     )
+    peer_timeout: float = field(
+        default=30.0, metadata={"help": "an elastic launch: seconds without a peer's heartbeat before the "
+                                        "others re-form the group without it (a laptop shut, off the WiFi)"}
+    )
     seed: int = field(default=42, metadata={"run_example": "42", "help": "RNG seed (same on every rank)"})
 
 
@@ -259,6 +263,7 @@ UPPER_BOUNDS: dict[str, tuple[float, str]] = {
     "checksum_every": (MAX_STEPS, "--num-iterations' bound: a longer interval than any run is a typo"),
     "keep_checkpoints": (100, "each is a full copy of the model and the optimizer state on disk"),
     "collective_timeout": (86400, "a day: how long a rank waits for a dead peer before it exits"),
+    "peer_timeout": (86400, "a day: how long the others wait for a silent peer before they go on without it"),
     "matrix_lr": (MAX_LR, "the defaults are 0.004 to 0.5; beyond this training diverges at once"),
     "embedding_lr": (MAX_LR, "the defaults are 0.004 to 0.5; beyond this training diverges at once"),
     "unembedding_lr": (MAX_LR, "the defaults are 0.004 to 0.5; beyond this training diverges at once"),
@@ -281,8 +286,10 @@ def model_dim(depth: int, aspect_ratio: int, head_dim: int) -> int:
     return -(-depth * aspect_ratio // head_dim) * head_dim
 
 
-def validate(cfg: TrainConfig, world_size: int) -> None:
-    """Raise ConfigError naming the value and the fix (the log line adds the host)."""
+def validate(cfg: TrainConfig, world_size: int, elastic: bool = False) -> None:
+    """Raise ConfigError naming the value and the fix (the log line adds the host). `elastic`: the
+    ranks are those of an elastic launch, which may be fewer or more than the run was planned for
+    (`micro_step_rows`)."""
     for name in POSITIVE_FIELDS:
         value = getattr(cfg, name)
         if value <= 0:
@@ -310,8 +317,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
     if steps is not None and steps > MAX_SYNC_EVERY[0]:
         raise too_large("sync_every", cfg.sync_every, *MAX_SYNC_EVERY)
     validate_shape(cfg)
-    if cfg.collective_timeout <= 0:
-        raise flag_problem("collective_timeout", cfg.collective_timeout, "must be > 0 seconds")
+    for name in ("collective_timeout", "peer_timeout"):
+        if getattr(cfg, name) <= 0:
+            raise flag_problem(name, getattr(cfg, name), "must be > 0 seconds")
     for name in ("matrix_lr", "embedding_lr", "unembedding_lr", "scalar_lr", "weight_decay"):
         if getattr(cfg, name) < 0:
             raise flag_problem(name, getattr(cfg, name), "must be >= 0")
@@ -346,7 +354,9 @@ def validate(cfg: TrainConfig, world_size: int) -> None:
         unit = cfg.device_batch_size * cfg.max_seq_len * world_size
         explain = (f"device_batch_size x max_seq_len x world_size = {cfg.device_batch_size} x {cfg.max_seq_len} x "
                    f"{world_size} = {unit}")
-    if cfg.total_batch_size % unit:
+    regrouped = (elastic and sizes is None and cfg.total_batch_size % cfg.max_seq_len == 0
+                 and micro_step_rows(cfg, cfg.total_batch_size // cfg.max_seq_len, world_size) is not None)
+    if cfg.total_batch_size % unit and not regrouped:
         problem = f"is not divisible by {explain}"
         nearest = sorted(set(nearest_valid_totals(unit, cfg.total_batch_size)))
         raise ConfigError(
@@ -452,6 +462,22 @@ def explicit_rank_batch_sizes(cfg: TrainConfig, world_size: int) -> list[int] | 
         raise ConfigError(f"--rank-batch-sizes={cfg.rank_batch_sizes!r}: {max(sizes)} sequences for one rank, more "
                           f"than {bound} ({why}); fix: at most {bound} per rank")
     return sizes
+
+
+def micro_step_rows(cfg: TrainConfig, step_rows: int, world_size: int) -> int | None:
+    """The rows of one micro-step over all ranks, for an even or measured split: device_batch_size x
+    world_size, where that divides the step's rows (validate sees to it for the run as planned).
+    An elastic run's world changes under it while its step stays the same tokens (its LR schedule
+    and token count go on): there, the divisor of the step's rows nearest that, with one to twice
+    device_batch_size rows a rank (the cap bounds a rank's activation memory), a multiple of the
+    world for an even split; the larger of two as near. None where there is none."""
+    planned = cfg.device_batch_size * world_size
+    if step_rows % planned == 0:
+        return planned
+    even = cfg.rank_batch_sizes != "auto"
+    options = [rows for rows in range(world_size, 2 * planned + 1)
+               if step_rows % rows == 0 and not (even and rows % world_size)]
+    return min(options, key=lambda rows: (abs(rows - planned), -rows)) if options else None
 
 
 def sync_every_steps(cfg: TrainConfig) -> int | None:

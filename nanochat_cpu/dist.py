@@ -112,7 +112,15 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
         # NCCL's own watchdog instead aborts the process, unnamed: leave the naming to ours
         # (Watchdog, timeout_s + WATCHDOG_GRACE_S) and NCCL's abort as the backstop after it.
         timeout_s += NCCL_TIMEOUT_MARGIN_S
-    dist.init_process_group(env.backend, timeout=datetime.timedelta(seconds=timeout_s), **kwargs)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if os.environ.get(NODES_ENV):  # an elastic launch: the ranks in the inventory's order
+        store = workers_store(timeout_s)
+        env.rank = rank = inventory_rank(store, rank, world_size)
+        os.environ["RANK"] = str(rank)
+        dist.init_process_group(env.backend, store=dist.PrefixStore("ranks", store), rank=rank,
+                                world_size=world_size, timeout=timeout, **kwargs)
+    else:
+        dist.init_process_group(env.backend, timeout=timeout, **kwargs)
     hosts: list[str | None] = [None] * world_size
     try:  # the first collective, before a Watchdog exists: name it here if a peer is lost
         dist.all_gather_object(hosts, env.host)
@@ -121,6 +129,86 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
                                    f"{type(exc).__name__}: {exc}. Exiting so the unit restarts.")
     env.hosts = [str(h) for h in hosts]
     return env
+
+
+# ---- an elastic launch: which rank is which, and who is still there ---------------------------------
+
+NODES_ENV = "NANOCHAT_NODES"  # "MIN:MAX", set by nanochat_cpu.launch for the workers of an elastic launch
+
+
+def workers_store(timeout_s: float) -> dist.TCPStore:
+    """The store torchrun's rendezvous made for this group of workers (MASTER_ADDR/PORT): hosted by
+    torchrun's rank 0 (the launcher keeps it unshared with its own, TORCH_DISABLE_SHARE_RDZV_TCP_STORE)."""
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                         is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
+
+
+def inventory_rank(store: dist.Store, rank: int, world_size: int) -> int:
+    """This process's rank in the inventory's order: by NODE_RANK (the node's place in the
+    inventory, from the unit's environment), then LOCAL_RANK. torchrun's elastic rendezvous numbers
+    the nodes by their address as text and their launcher's pid, so its rank 0 may be any node; the
+    run's rank 0 is the master's (it logs to MLflow, which only the master holds credentials for),
+    and a group re-formed with the same nodes keeps its layout."""
+    mine = (int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))),
+            int(os.environ.get("GROUP_RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), rank)
+    store.set(f"place/{rank}", " ".join(map(str, mine)))
+    places = [tuple(int(x) for x in store.get(f"place/{r}").decode().split()) for r in range(world_size)]
+    return sorted(places).index(mine)
+
+
+HEARTBEAT_S = 1.0  # how often each rank says it is alive, and looks at the others
+
+
+class Liveness:
+    """Notices a peer that went silent (a laptop shut, frozen, asleep, off the WiFi) within
+    --peer-timeout seconds, where its collectives would wait the whole --collective-timeout: a
+    silent peer closes no socket. Each rank adds one to a counter of its own in the group's store
+    every second, from a thread, and reads the others'; a counter that has not moved for the bound,
+    or a store that has not answered for it, ends this rank (exit 4), and the launchers re-form the
+    group with the nodes still there. A counter moves while its rank computes, waits or writes a
+    checkpoint, so a slow peer is never taken for a lost one. `close` ends the watch before the
+    ranks leave at the end, one after another."""
+
+    def __init__(self, env: DistEnv, bound_s: float):
+        self.env, self.bound_s = env, bound_s
+        self._closed = threading.Event()
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        # a client of its own: the thread never shares a connection with the process group
+        self._store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=bound_s),
+                                    wait_for_workers=False)
+        self._where = f"{addr}:{port}"
+        threading.Thread(target=self._run, name="peer-liveness", daemon=True).start()
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _run(self) -> None:
+        others = [r for r in range(self.env.world_size) if r != self.env.rank]
+        seen = {r: (-1, time.monotonic()) for r in others}  # each peer's last count, and since when
+        answered = time.monotonic()
+        while not self._closed.wait(HEARTBEAT_S):
+            now = time.monotonic()
+            try:
+                self._store.add(f"alive/{self.env.rank}", 1)
+                counts = {r: self._store.add(f"alive/{r}", 0) for r in others}
+                answered = now
+            except Exception as exc:  # noqa: BLE001 - the store's host is gone, or this node is cut off
+                if now - answered > self.bound_s and not self._closed.is_set():
+                    fail(self.env, EXIT_COLLECTIVE,
+                         f"the group's store at {self._where} has not answered for {now - answered:.0f} s "
+                         f"(--peer-timeout {self.bound_s:.0f}): {type(exc).__name__}: {exc}. Its host left the "
+                         f"run or this node lost the network. Exiting so the launchers re-form the group.")
+                continue
+            for r, count in counts.items():
+                if count != seen[r][0]:
+                    seen[r] = (count, now)
+                elif now - seen[r][1] > self.bound_s and not self._closed.is_set():
+                    fail(self.env, EXIT_COLLECTIVE,
+                         f"rank {r}@{self.env.hosts[r]} has been silent for {now - seen[r][1]:.0f} s "
+                         f"(--peer-timeout {self.bound_s:.0f}): its node froze, went to sleep or dropped off "
+                         f"the network. Exiting so the launchers re-form the group without it; the run "
+                         f"resumes from its last checkpoint.")
 
 
 class Watchdog:

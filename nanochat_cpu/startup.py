@@ -24,7 +24,18 @@ from . import __version__, fingerprint
 from .compile_choice import resolve_compile
 from .config import ConfigError, TrainConfig, config_hash, host_problems, validate, world_size_from_env
 from .data import check_dataset
-from .dist import EXIT_CONFIG, EXIT_MISMATCH, WATCHDOG_GRACE_S, DistEnv, Watchdog, fail, init_distributed, log
+from .dist import (
+    EXIT_CONFIG,
+    EXIT_MISMATCH,
+    NODES_ENV,
+    WATCHDOG_GRACE_S,
+    DistEnv,
+    Liveness,
+    Watchdog,
+    fail,
+    init_distributed,
+    log,
+)
 from .perf import cpu_has_native_bf16, reuse_freed_memory
 from .precision import compute_dtype, muon_dtype_for
 from .stop import GracefulStop
@@ -39,6 +50,7 @@ class Ranks:
     env: DistEnv
     watchdog: Watchdog
     stop: GracefulStop
+    liveness: Liveness | None  # an elastic launch's watch on silent peers (None: one process, or torchrun static)
     tokenizer: Tokenizer
     tokenizer_sha: str  # what checkpoints record
     token_bytes: torch.Tensor  # each token's length in bytes: val bpb's denominator
@@ -53,7 +65,7 @@ def join_ranks(cfg: TrainConfig) -> Ranks:
     allocator = reuse_freed_memory()
     world_size = world_size_from_env()
     try:
-        validate(cfg, world_size)
+        validate(cfg, world_size, elastic=bool(os.environ.get(NODES_ENV)))
     except ConfigError as exc:
         fail(None, EXIT_CONFIG, str(exc))
     muon_dtype, muon_why = muon_dtype_for(cfg.muon_dtype, cfg.device, cpu_has_native_bf16())
@@ -70,6 +82,7 @@ def join_ranks(cfg: TrainConfig) -> Ranks:
         fail(None, EXIT_CONFIG, str(exc))
     watchdog = Watchdog(env, cfg.collective_timeout + WATCHDOG_GRACE_S)
     stop = GracefulStop(env)
+    liveness = Liveness(env, cfg.peer_timeout) if env.distributed and os.environ.get(NODES_ENV) else None
     problems, lacking_bf16, unmeasured = gather_host_facts(env, watchdog, problems, cpu_has_native_bf16(),
                                                            compile_mode)
     if compile_mode == "auto" and unmeasured:  # the measurement is a collective: every rank or none
@@ -83,8 +96,8 @@ def join_ranks(cfg: TrainConfig) -> Ranks:
     # ---- the ranks agree on their inputs: before anything that could block on uneven work --------
     tokenizer_sha = agree_on_inputs(cfg, env, watchdog)
     token_bytes = load_token_bytes(cfg, env, tokenizer)
-    return Ranks(env, watchdog, stop, tokenizer, tokenizer_sha, token_bytes, ctx_dtype, muon_dtype, compile_mode,
-                 compile_why)
+    return Ranks(env, watchdog, stop, liveness, tokenizer, tokenizer_sha, token_bytes, ctx_dtype, muon_dtype,
+                 compile_mode, compile_why)
 
 
 # ---- inputs: each host's, then the ranks' agreement ----------------------------------------------

@@ -516,6 +516,8 @@ def run(cfg: TrainConfig) -> int:
     if env.distributed:
         with watchdog.phase("final barrier", step):
             dist.barrier()
+        if ranks.liveness is not None:  # from here the ranks leave one by one: none of them is lost
+            ranks.liveness.close()
         dist.destroy_process_group()
     return code
 

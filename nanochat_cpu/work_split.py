@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import throughput
-from .config import TrainConfig, explicit_rank_batch_sizes
+from .config import TrainConfig, explicit_rank_batch_sizes, micro_step_rows
 from .dist import DistEnv, Watchdog, log
 from .grad_target import clear_gradients
 from .model import GPT
@@ -122,8 +122,9 @@ def calibrate_split(model: GPT, cfg: TrainConfig, env: DistEnv, ctx, watchdog: W
     seconds = [float(t[0]) for t in everyone]
     # the fixed cost is the model's and the CPU's, not the load's: the ranks' median
     fixed_rows = statistics.median(fixed_cost_rows({full: float(t[0]), other: float(t[1])}, full) for t in everyone)
-    sizes = balanced_split([t / (full + fixed_rows) for t in seconds], cfg.total_batch_size // cfg.max_seq_len,
-                           full * env.world_size, fixed_rows)
+    step_rows = cfg.total_batch_size // cfg.max_seq_len
+    sizes = balanced_split([t / (full + fixed_rows) for t in seconds], step_rows,
+                           micro_step_rows(cfg, step_rows, env.world_size), fixed_rows)
     if env.master:
         log(env, "calibrated work split: " + ", ".join(
             f"rank {r}@{env.hosts[r]} {seconds[r] * 1000:.0f} ms/micro-batch -> {sizes[r]} rows"
@@ -151,7 +152,7 @@ def check_split(cfg: TrainConfig, env: DistEnv, sizes: list[int], accum: int, fi
         sync(env.device)
     row_s = [float(t) for t in everyone]
     step_rows = cfg.total_batch_size // cfg.max_seq_len
-    new = balanced_split(row_s, step_rows, cfg.device_batch_size * env.world_size, fixed_rows)
+    new = balanced_split(row_s, step_rows, micro_step_rows(cfg, step_rows, env.world_size), fixed_rows)
 
     def slowest_s(split: list[int]) -> float:  # the step's compute on its slowest rank
         return slowest_rank_s(split, row_s, fixed_rows) * (step_rows // sum(split))
@@ -209,7 +210,12 @@ def choose_split(cfg: TrainConfig, env: DistEnv, model: GPT, ctx, watchdog: Watc
     if explicit is not None:
         return explicit, 0.0
     if cfg.rank_batch_sizes != "auto" or not env.distributed:
-        return [cfg.device_batch_size] * env.world_size, 0.0
+        rows = micro_step_rows(cfg, cfg.total_batch_size // cfg.max_seq_len, env.world_size)
+        if rows != cfg.device_batch_size * env.world_size and env.master:
+            log(env, f"{env.world_size} rank(s) where the run was planned for others: {rows // env.world_size} rows a "
+                     f"rank per micro-step instead of --device-batch-size {cfg.device_batch_size}, so that a step is "
+                     f"still {cfg.total_batch_size:,} tokens")
+        return [rows // env.world_size] * env.world_size, 0.0
     if saved is not None and len(saved) == env.world_size:
         if env.master:
             log(env, f"work split from the checkpoint: {saved}")
