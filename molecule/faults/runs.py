@@ -121,24 +121,31 @@ def kill_trainer(c: Cluster, node: str, unit: str) -> float:
     return t0
 
 
+# the resume line at the same layout ("resumed from checkpoint step N (...)") and at another
+# ("resumed step N, written by 3 ranks ..., re-sharded to 2 ranks")
+RESUMED = r"resumed (?:from checkpoint )?step \d+"
+# nanochat_cpu.launch, when its workers exit and it re-forms the group
+WORKERS_EXITED = r"launcher: the (?:ranks stopped at a checkpoint|workers exited)"
+
+
 def resume_after(c: Cluster, unit: str, t0: float, killed: str | None, timeout: float) -> dict:
     """Wait until the run trains again after a fault injected at t0; measure each phase."""
     survivors = [n for n in c.nodes if n != killed]
-    # a clean stop (exit 5: a node shut down, and the ranks stopped with it at a checkpoint) is
-    # logged as "Deactivated successfully", not "Main process exited"
-    wait_for("the survivors to exit", lambda: all(
-        first(c.journal(n, unit, t0), r"FATAL|Main process exited|Failed with result|Deactivated successfully")
+    # the survivors' workers exit (FATAL: a peer lost; or a clean stop at a checkpoint), and their
+    # launchers re-form the group (launch.py's lines): the unit itself stays active
+    wait_for("the survivors' workers to exit", lambda: all(
+        first(c.journal(n, unit, t0), rf"FATAL|{WORKERS_EXITED}|Main process exited|Failed with result")
         for n in survivors), timeout=COLLECTIVE_TIMEOUT + 60)
 
     def resumed():
         lines = c.journal(c.master, unit, t0)
-        hit = first(lines, r"resumed from checkpoint step \d+")
+        hit = first(lines, RESUMED)
         if hit and steps(lines, after=hit[0]):
             return lines
         return None
 
     lines = wait_for("the run to resume and train a step", resumed, timeout=timeout, every=3)
-    t_res, msg = first(lines, r"resumed from checkpoint step \d+")
+    t_res, msg = first(lines, RESUMED)
     resumed_step = int(re.search(r"step (\d+)", msg).group(1))
     t_step, step1, loss1 = steps(lines, after=t_res)[0]
     m = {"resumed_from": resumed_step, "resume_s": round(t_res - t0, 1), "first_step_s": round(t_step - t0, 1),
@@ -146,7 +153,7 @@ def resume_after(c: Cluster, unit: str, t0: float, killed: str | None, timeout: 
     for n in c.nodes:
         j = c.journal(n, unit, t0)
         fatal = first(j, r"FATAL")
-        exited = first(j, r"Main process exited|Failed with result|Deactivated|Stopped")
+        exited = first(j, rf"{WORKERS_EXITED}|Main process exited|Failed with result|Deactivated|Stopped")
         started = first(j, r"Started nanochat-train")
         m[n] = {"fatal_s": round(fatal[0] - t0, 1) if fatal else None,
                 "fatal": fatal[1][:300] if fatal else None,

@@ -1,11 +1,12 @@
 """Node loss: one run, four faults in turn.
 
 train.yml again while it runs (refused, the run goes on), then the FAULTS_EVENTS faults, in order
-(default all three): SIGKILL of a worker's trainer, a worker container stopped for 60 s, SIGKILL of
-the master's trainer. After each: the survivors exit, systemd restarts the units, the run resumes from
-the last complete checkpoint (steps lost <= the checkpoint interval), its losses repeat the ones
-computed before the fault (the curve goes on, no reset to ln(vocab)), and in the end it reaches its
-final step. The finished run stays on the nodes: the drift and inputs cases use it.
+(default all three): SIGKILL of a worker's trainer, a worker container stopped (the others go on
+without it and it joins again when it is back), SIGKILL of the master's trainer. After each: the
+survivors' workers exit, their launchers re-form the group, the run resumes from the last complete
+checkpoint (steps lost <= the checkpoint interval; none for the stopped container), its losses
+repeat the ones computed before the fault (the curve goes on, no reset to ln(vocab)), and in the end
+it reaches its final step. The finished run stays on the nodes: the drift and inputs cases use it.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import pytest
 from nodes import Cluster, first, log, show_train_failure, steps, wait_for
 from runs import (
     CHECKPOINT_EVERY,
+    RESUMED,
     Run,
     check_resume,
     clean_run,
@@ -107,7 +109,7 @@ def test_fault_mid_run(cluster: Cluster, loss_run: Progress, case_report: dict, 
     run = loss_run.run
     loss_run.last_fault = time.time()
     if event == "stop-worker":
-        m = stop_container_and_resume(cluster, run, cluster.workers[0], loss_run.at_least, 60)
+        m = stop_container_and_resume(cluster, run, cluster.workers[0], loss_run.at_least)
     else:
         node = cluster.workers[0] if event == "kill-worker" else cluster.master
         wait_mid_interval(cluster, run.unit, loss_run.at_least, run.started)
@@ -115,7 +117,7 @@ def test_fault_mid_run(cluster: Cluster, loss_run: Progress, case_report: dict, 
         m = resume_after(cluster, run.unit, t0, node, timeout=300)
         check_resume(cluster, run.unit, t0, m, node, run.started)
     case_report[event] = m
-    loss_run.at_least = m["resumed_from"] + CHECKPOINT_EVERY
+    loss_run.at_least = m.get("rejoined_at", m["resumed_from"]) + CHECKPOINT_EVERY
     log(f"{event}: " + json.dumps({k: v for k, v in m.items() if k not in cluster.nodes}))
     assert loss_run.at_least < run.iterations - CHECKPOINT_EVERY, (
         f"the run is too short for the next fault ({run.iterations} steps)")
@@ -150,33 +152,64 @@ def test_run_finishes(cluster: Cluster, loss_run: Progress, case_report: dict) -
 
 # ---- the container stop ------------------------------------------------------------------------
 
-def stop_container_and_resume(c: Cluster, run: Run, node: str, at_least: int, away_s: float) -> dict:
-    """`podman stop` of the node mid-run, `podman start` after away_s: its unit starts at boot, the run resumes."""
+AWAY_STEPS = 8  # steps the others train without the stopped node before it comes back
+WORLD_STEP = re.compile(r"rank \d+/(\d+)\] step (\d+)/")
+
+
+def world_steps(lines: list[tuple[float, str]], after: float) -> list[tuple[float, int, int]]:
+    """(time, world size, step) of the master's step lines after `after`."""
+    return [(t, int(hit.group(1)), int(hit.group(2))) for t, msg in lines
+            if t >= after and (hit := WORLD_STEP.search(msg))]
+
+
+def stop_container_and_resume(c: Cluster, run: Run, node: str, at_least: int) -> dict:
+    """`podman stop` of a worker mid-run (its shutdown stops the unit, as a laptop's shutdown or
+    sleep does): every rank stops at a checkpoint with it, and the others go on without it at once,
+    losing no step. `podman start` once they have trained AWAY_STEPS steps alone: its unit starts at
+    boot, and it joins again at a checkpoint the others stop at, losing none either."""
     unit = run.unit
     wait_mid_interval(c, unit, at_least, run.started)
+    world = world_steps(c.journal(c.master, unit, run.started), run.started)[-1][1]
     t0 = time.time()
     subprocess.run(["podman", "stop", c.ct(node)], check=True, capture_output=True, timeout=120)
     stopped_s = time.time() - t0
     log(f"podman stop {c.ct(node)} took {stopped_s:.1f}s")
-    time.sleep(max(0.0, away_s - 10 - (time.time() - t0)))
-    # while it is away the survivors have restarted and wait for it in torchrun's rendezvous
+
+    def without_it():
+        alone = [s for s in world_steps(c.journal(c.master, unit, t0), t0) if s[1] < world]
+        return alone if len(alone) >= AWAY_STEPS else None
+    alone = wait_for(f"the others to train {AWAY_STEPS} steps without {node}", without_it, timeout=180, every=2)
     away = {n: c.unit(n, unit) for n in c.nodes if n != node}
-    time.sleep(max(0.0, away_s - (time.time() - t0)))
+    m = resume_after(c, unit, t0, node, timeout=60)
+    check_resume(c, unit, t0, m, node, run.started)
+    assert m["graceful"], f"the others did not stop at a checkpoint with {node}: {m}"
+
     subprocess.run(["podman", "start", c.ct(node)], check=True, capture_output=True, timeout=120)
     t_back = time.time()
     c.sh(node, "timeout 120 systemctl is-system-running --wait", check=False)
     autostart = wait_active(c, node, unit, 20)
-    extra = {"container_stop_s": round(stopped_s, 1), "back_after_s": round(t_back - t0, 1),
-             "unit_file_state": c.unit(node, unit).get("UnitFileState"), "autostart": autostart,
-             "survivors_while_away": {n: f"{u['ActiveState']}/{u['SubState']}" for n, u in away.items()}}
-    for n, u in away.items():
-        assert u["ActiveState"] in ("active", "activating"), f"{n} gave up while {node} was away: {u}"
     # train.yml enabled the run's instance: the node rejoins at boot, nobody starts it by hand
     assert autostart, (f"{node}'s {unit} did not start when the node came back "
-                       f"(UnitFileState={extra['unit_file_state']}): the unit must be enabled for the run")
-    m = resume_after(c, unit, t0, node, timeout=420)
-    m.update(extra)
-    check_resume(c, unit, t0, m, node, run.started)
+                       f"(UnitFileState={c.unit(node, unit).get('UnitFileState')}): the unit must be enabled")
+
+    def all_again():
+        lines = c.journal(c.master, unit, t_back)
+        back = [s for s in world_steps(lines, t_back) if s[1] == world]
+        return (lines, back[0]) if back else None
+    lines, (t_all, _, first_all) = wait_for(f"{node} to train with the others again", all_again, timeout=300, every=3)
+    stop = first(lines, r"stopped by SIGTERM after step \d+")
+    rejoin = first(lines, RESUMED)
+    assert stop and rejoin, f"{node} joined without a stop at a checkpoint and a resume: {lines[-20:]}"
+    stop_step = int(re.search(r"after step (\d+)", stop[1]).group(1))
+    rejoin_step = int(re.search(r"step (\d+)", rejoin[1]).group(1))
+    assert rejoin_step == stop_step and first_all == stop_step + 1, (
+        f"{node} rejoined at step {rejoin_step} after a stop at {stop_step}, first step together {first_all}")
+    for n, u in away.items():
+        assert u["ActiveState"] in ("active", "activating"), f"{n} gave up while {node} was away: {u}"
+    m.update(container_stop_s=round(stopped_s, 1), trained_without_s=round(alone[0][0] - t0, 1),
+             steps_without=alone[-1][2] - alone[0][2] + 1, back_after_s=round(t_back - t0, 1),
+             autostart=autostart, rejoined_at=rejoin_step, rejoin_s=round(t_all - t_back, 1),
+             survivors_while_away={n: f"{u['ActiveState']}/{u['SubState']}" for n, u in away.items()})
     return m
 
 
