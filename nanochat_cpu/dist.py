@@ -35,6 +35,7 @@ class DistEnv:
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     host: str = field(default_factory=socket.gethostname)
     hosts: list[str] = field(default_factory=list)  # hostname of every rank, by rank
+    nodes: list[int] = field(default_factory=list)  # an elastic launch: every rank's NODE_RANK (inventory place)
 
     @property
     def distributed(self) -> bool:
@@ -115,7 +116,8 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
     timeout = datetime.timedelta(seconds=timeout_s)
     if os.environ.get(NODES_ENV):  # an elastic launch: the ranks in the inventory's order
         store = workers_store(timeout_s)
-        env.rank = rank = inventory_rank(store, rank, world_size)
+        env.rank, env.nodes = inventory_rank(store, rank, world_size)
+        rank = env.rank
         os.environ["RANK"] = str(rank)
         dist.init_process_group(env.backend, store=dist.PrefixStore("ranks", store), rank=rank,
                                 world_size=world_size, timeout=timeout, **kwargs)
@@ -144,17 +146,19 @@ def workers_store(timeout_s: float) -> dist.TCPStore:
                          is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
 
 
-def inventory_rank(store: dist.Store, rank: int, world_size: int) -> int:
+def inventory_rank(store: dist.Store, rank: int, world_size: int) -> tuple[int, list[int]]:
     """This process's rank in the inventory's order: by NODE_RANK (the node's place in the
     inventory, from the unit's environment), then LOCAL_RANK. torchrun's elastic rendezvous numbers
     the nodes by their address as text and their launcher's pid, so its rank 0 may be any node; the
     run's rank 0 is the master's (it logs to MLflow, which only the master holds credentials for),
-    and a group re-formed with the same nodes keeps its layout."""
+    and a group re-formed with the same nodes keeps its layout. Also every rank's NODE_RANK, by
+    the new rank: which of the inventory's nodes are in the group (the status file says)."""
     mine = (int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))),
             int(os.environ.get("GROUP_RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), rank)
     store.set(f"place/{rank}", " ".join(map(str, mine)))
     places = [tuple(int(x) for x in store.get(f"place/{r}").decode().split()) for r in range(world_size)]
-    return sorted(places).index(mine)
+    places.sort()
+    return places.index(mine), [p[0] for p in places]
 
 
 HEARTBEAT_S = 1.0  # how often each rank says it is alive, and looks at the others

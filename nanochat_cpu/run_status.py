@@ -41,10 +41,13 @@ class RunStatus:
         self.fields: dict[str, Any] = {
             "version": VERSION, "run": run_name, "host": env.host, "rank": env.rank,
             "world_size": env.world_size, "members": sorted(set(env.hosts or [env.host])),
+            # an elastic launch: the inventory places (NODE_RANK) of the nodes in the group now
+            "nodes": sorted(set(env.nodes)) or None,
             "state": "starting", "step": None, "total": total,
             # the run's loss on the master; elsewhere the loss of this node's ranks' batch
             "loss": None, "loss_of": "run" if env.master else "this node's ranks",
-            "tok_per_s": None, "mfu": None, "elapsed_s": None, "eta_s": None, "elapsed": None, "eta": None,
+            "tok_per_s": None, "mfu": None, "step_s": None, "elapsed_s": None, "eta_s": None, "elapsed": None,
+            "eta": None,
             "val_bpb": None, "val_step": None, "verdict": None, "sample": None, "updated": None,
         }
         if self.path is not None and resumed:

@@ -183,8 +183,8 @@ def log_step(cfg: TrainConfig, env: DistEnv, tracker: Tracker, status: RunStatus
                          "comm_wait_ms": comm_wait * 1000, "elapsed_s": progress.elapsed_s,
                          "eta_s": progress.eta_s}, progress.step)
     status.update(state="training", step=progress.step, loss=train_loss, tok_per_s=tok_per_s, mfu=mfu,
-                  elapsed_s=progress.elapsed_s, eta_s=progress.eta_s, elapsed=human_duration(progress.elapsed_s),
-                  eta=human_duration(progress.eta_s))
+                  step_s=round(dt, 3), elapsed_s=progress.elapsed_s, eta_s=progress.eta_s,
+                  elapsed=human_duration(progress.elapsed_s), eta=human_duration(progress.eta_s))
 
 
 def log_sample(env: DistEnv, model: GPT, tokenizer: Tokenizer, step: int) -> str:

@@ -218,3 +218,23 @@ def test_a_resumed_run_keeps_what_the_file_said_and_a_stuck_disk_holds_no_step(t
     assert time.monotonic() - t0 < 1.0 and hung.flush(timeout_s=0.2) is False
     stuck.set()
     assert hung.flush(timeout_s=5.0)
+
+
+def test_run_progress_says_a_run_that_stopped_stepping_is_not_training(tmp_path) -> None:
+    """A node's steps stop coming (a peer away, a group re-forming): the row says so, with no ETA.
+    The bound is 5 of the run's own step times and at least a minute, so a slow step is not a stall."""
+    rp = run_progress()
+    status = rp.read_status(written_status(tmp_path, 0, step=21, loss=4.8, tok_per_s=900.0, step_s=2.0,
+                                           elapsed="1.2m", eta="1.1m"))
+    now = status["updated"]
+    assert rp.phase("active/running", status, now + 59) == "training"
+    assert rp.phase("active/running", status, now + 61) == "stalled, no step for 61s"
+    slow = {**status, "step_s": 30.0}  # a big model on a slow node: 5 steps of its own before a stall
+    assert rp.phase("active/running", slow, now + 149) == "training"
+    assert rp.phase("active/running", {**status, "state": "stopped"}, now + 20) == "waiting for the group (20s)"
+    assert rp.phase("activating/auto-restart", status, now) == "activating/auto-restart"
+    assert rp.phase("active/running", {**status, "state": "done"}, now + 600) == "done"
+    p = rp.columns(status)
+    line = rp.progress_line("d4", "active/running", "0", p, "stalled, no step for 61s")
+    assert line == "d4 step 21/40 (52.5%) loss 4.8000 | 900 tok/s | elapsed 1.2m eta - | stalled, no step for 61s"
+    assert rp.progress_line("d4", "active/running", "0", p, "training").endswith("eta 1.1m")

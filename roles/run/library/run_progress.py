@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import stat
+import time
 
 from ansible.module_utils.basic import AnsibleModule
 
@@ -55,6 +56,19 @@ finished:
 status:
   description: The trainer's status file as it stands (empty before its first step).
   type: dict
+  returned: always
+phase:
+  description: What the run does on this node, in words. The unit's state where it is not running;
+    C(training), C(starting) or C(done) as the trainer says; C(waiting for the group (Ns)) after its
+    ranks stopped at a checkpoint while the unit runs on (its launcher re-forms the group, or waits
+    for enough nodes or the master); C(stalled, no step for Ns) when the newest step is older than
+    5 of its own step times and a minute. Neither of the last two has an ETA.
+  type: str
+  returned: always
+nodes:
+  description: The inventory places (node ranks) of the nodes in the run's group, as this node's
+    trainer last saw it (an elastic launch), or null.
+  type: list
   returned: always
 progress:
   description: One line, e.g. C(d8 step 120/500 (24.0%) loss 4.1000 | 912 tok/s | elapsed 3.2m eta 10.1m).
@@ -119,17 +133,39 @@ def columns(status: dict) -> dict:
             "elapsed": status.get("elapsed"), "eta": status.get("eta"), "val_bpb": fixed(status.get("val_bpb"), 4)}
 
 
-def progress_line(run: str, state: str, restarts: str, p: dict) -> str:
+STALL_MIN_S = 60.0  # a step may take this long without the run being called stalled...
+STALL_STEPS = 5  # ...or this many of its own last step's time
+
+
+def phase(unit_state: str, status: dict, now: float) -> str:
+    """What the run does on this node, in words (RETURN's `phase`): a run whose steps stopped coming
+    is not called training, and gets no ETA."""
+    if not unit_state.startswith("active/"):
+        return unit_state
+    state = status.get("state") or "starting"
+    age = now - (status.get("updated") or now)
+    if state == "stopped":
+        return f"waiting for the group ({age:.0f}s)"
+    if state == "training" and age > max(STALL_MIN_S, STALL_STEPS * (status.get("step_s") or 0.0)):
+        return f"stalled, no step for {age:.0f}s"
+    return state
+
+
+def progress_line(run: str, state: str, restarts: str, p: dict, doing: str | None = None) -> str:
+    """`doing`: phase(); the unit's state where not given."""
+    doing = doing or state
     if p["step"] is None:
-        return f"{run}: {state}, no step yet"
+        return f"{run}: {doing}, no step yet"
+    if doing.startswith(("waiting", "stalled")):  # a run that is not stepping has no ETA
+        p = {**p, "eta": "-"}
     parts = [f"{run} step {p['step']}/{p['total']} ({p['percent']}%) loss {p['loss']}",
              f"{p['tok_s']} tok/s", f"elapsed {p['elapsed'] or '?'} eta {p['eta'] or '?'}"]
     if p["val_bpb"]:
         parts.append(f"val_bpb {p['val_bpb']}")
     if restarts not in ("", "0"):
         parts.append(f"{restarts} restart(s)")
-    if state not in ("active/running", "inactive/dead"):  # ended well or running: the step says enough
-        parts.append(state)
+    if doing not in ("training", "done", "active/running", "inactive/dead"):  # the step says enough there
+        parts.append(doing)
     return " | ".join(parts)
 
 
@@ -149,6 +185,9 @@ def main() -> None:
                     f"({READS_VERSION}): re-run site.yml from the same checkout as the nodes' trainer")
     cells = columns(status)
     restarts = props.get("NRestarts", "0")
+    doing = phase(state, status, time.time())
+    if doing.startswith(("waiting", "stalled")):
+        cells["eta"] = None
     module.exit_json(
         changed=False,
         unit=unit,
@@ -162,7 +201,9 @@ def main() -> None:
         verdict=status.get("verdict") or "",
         sample=status.get("sample") or "",
         last_line=last_line(module, run),
-        progress=progress_line(run, state, restarts, cells),
+        phase=doing,
+        nodes=status.get("nodes"),
+        progress=progress_line(run, state, restarts, cells, doing),
         **cells,
     )
 
