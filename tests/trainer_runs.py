@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -152,3 +154,97 @@ def kill_tree(pid: int, sig: int) -> None:
             os.kill(p, sig)
         except ProcessLookupError:
             pass
+
+
+# ---- an elastic launch: nodes that come and go ---------------------------------------------------
+
+# the units' rendezvous settings: a group re-forms 5 s after its last node arrived, and a node that
+# stopped answering (killed, frozen) is dropped from the rendezvous after 3 keep-alives 2 s apart
+ELASTIC_CONF = "last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3,join_timeout=600"
+
+
+def elastic_cmd(node_rank: int, nodes: str, port: int, target: list[str], run_id: str = "test",
+                nproc: int = 1) -> list[str]:
+    """One node's launcher as the units start it with elastic rendezvous (`nodes` = "MIN:MAX"):
+    node 0, the master, hosts the rendezvous on loopback at `port`."""
+    return [sys.executable, "-m", "nanochat_cpu.launch", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
+            "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
+            "--local-addr=127.0.0.1", "--max-restarts=5",
+            f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'},{ELASTIC_CONF}", *target]
+
+
+class Watched:
+    """A node's launcher, in a session of its own (to stop it whole), and its output as it comes:
+    a thread reads every line and notes when it arrived, so a test can wait for one node's line,
+    time what happens, while every other node's pipe keeps draining (a full pipe would hold a
+    launcher mid-print)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]):
+        self.proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                     errors="replace", cwd=REPO, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []  # (time.monotonic() when read, the line)
+        self._closed = False
+        self._new = threading.Condition()
+        self._reader = threading.Thread(target=self._read, name=f"read-{self.proc.pid}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            with self._new:
+                self.lines.append((time.monotonic(), line))
+                self._new.notify_all()
+        with self._new:
+            self._closed = True
+            self._new.notify_all()
+
+    def mark(self) -> int:
+        """Where the output is now: wait_for(..., since=mark()) looks only at what comes after."""
+        with self._new:
+            return len(self.lines)
+
+    def text(self, since: int = 0, until: int | None = None) -> str:
+        with self._new:
+            return "".join(line for _, line in self.lines[since:until])
+
+    def at(self, index: int) -> tuple[float, str]:
+        with self._new:
+            return self.lines[index]
+
+    def found(self, pattern: str, since: int = 0) -> list[int]:
+        """The indices of the lines so far, from `since` on, that the regex `pattern` matches."""
+        regex = re.compile(pattern)
+        with self._new:
+            return [i for i in range(since, len(self.lines)) if regex.search(self.lines[i][1])]
+
+    def wait_for(self, pattern: str, since: int = 0, timeout: float = 120) -> int:
+        """The index of the first line from `since` on that the regex `pattern` matches (or fail,
+        with the node's output since then)."""
+        regex, deadline, looked = re.compile(pattern), time.monotonic() + timeout, since
+        with self._new:
+            while True:
+                for i in range(looked, len(self.lines)):
+                    if regex.search(self.lines[i][1]):
+                        return i
+                looked = len(self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    why = "before its output ended" if self._closed else f"in {timeout:.0f} s"
+                    raise AssertionError(f"{pattern!r} not seen {why} (exit code {self.proc.poll()}):\n"
+                                         + self.text(since)[-12000:])
+                self._new.wait(left)
+
+    def end(self, timeout: float) -> int:
+        """Its exit code, once it and its output have ended."""
+        code = self.proc.wait(timeout=timeout)
+        self._reader.join(timeout=10)
+        return code
+
+    def signal_tree(self, sig: int) -> None:
+        """`sig` to the launcher and every process below it (its workers are in a group of their own)."""
+        kill_tree(self.proc.pid, sig)
+
+    def kill(self) -> None:
+        """SIGKILL to the launcher and its workers, unless it has ended (its pid may be another's by now)."""
+        if self.proc.poll() is None:
+            self.signal_tree(signal.SIGKILL)
+            self.proc.wait(timeout=30)
