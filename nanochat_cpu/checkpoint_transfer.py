@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .checkpoint_files import checkpoint_root
-from .dist import EXIT_CONFIG, DistEnv, Watchdog, agree_to_fail, fail
+from .dist import EXIT_CONFIG, DistEnv, Watchdog, agree_to_fail, fail, node_index
 
 
 @dataclass
@@ -31,7 +31,7 @@ class Disks:
     out_dir: str  # the run's directory on each disk (checkpoints under out_dir/checkpoints)
     keep: int  # complete checkpoints kept on each disk (--keep-checkpoints)
     disk_of_rank: list[int]  # every rank's disk, named by the lowest rank that writes to it
-    node_of_rank: list[int]  # every rank's launcher (torchrun's GROUP_RANK)
+    node_of_rank: list[int]  # every rank's launcher (dist.node_index: the inventory's NODE_RANK)
     group: dist.ProcessGroup | None  # gloo, for the checkpoint's object collectives (CPU even on CUDA)
 
     def writer(self, rank: int) -> bool:
@@ -49,7 +49,7 @@ class Disks:
 def find_disks(out_dir: str, keep: int, collective_timeout: float, env: DistEnv, watchdog: Watchdog) -> Disks:
     """Each rank leaves a file of its own in the checkpoint directory; ranks that see each other's
     files share a disk."""
-    node = int(os.environ.get("GROUP_RANK", "0"))
+    node = node_index()
     if not env.distributed:
         return Disks(out_dir, keep, [0], [node], None)
     # each round of a transfer is bounded like any collective (Gloo's own default is 30 min)

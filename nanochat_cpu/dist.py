@@ -138,6 +138,13 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
 NODES_ENV = "NANOCHAT_NODES"  # "MIN:MAX", set by nanochat_cpu.launch for the workers of an elastic launch
 
 
+def node_index() -> int:
+    """This process's node: NODE_RANK, its place in the inventory (the units set it; torchrun's
+    GROUP_RANK numbers an elastic group's launchers in no useful order), else GROUP_RANK (a static
+    launch, where the two are the same). Checkpoints record it, and local steps group ranks by it."""
+    return int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")))
+
+
 def workers_store(timeout_s: float) -> dist.TCPStore:
     """The store torchrun's rendezvous made for this group of workers (MASTER_ADDR/PORT): hosted by
     torchrun's rank 0 (the launcher keeps it unshared with its own, TORCH_DISABLE_SHARE_RDZV_TCP_STORE)."""
@@ -153,8 +160,7 @@ def inventory_rank(store: dist.Store, rank: int, world_size: int) -> tuple[int, 
     run's rank 0 is the master's (it logs to MLflow, which only the master holds credentials for),
     and a group re-formed with the same nodes keeps its layout. Also every rank's NODE_RANK, by
     the new rank: which of the inventory's nodes are in the group (the status file says)."""
-    mine = (int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0"))),
-            int(os.environ.get("GROUP_RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), rank)
+    mine = (node_index(), int(os.environ.get("GROUP_RANK", "0")), int(os.environ.get("LOCAL_RANK", "0")), rank)
     store.set(f"place/{rank}", " ".join(map(str, mine)))
     places = [tuple(int(x) for x in store.get(f"place/{r}").decode().split()) for r in range(world_size)]
     places.sort()
@@ -198,10 +204,14 @@ class Liveness:
                 counts = {r: self._store.add(f"alive/{r}", 0) for r in others}
                 answered = now
             except Exception as exc:  # noqa: BLE001 - the store's host is gone, or this node is cut off
-                if now - answered > self.bound_s and not self._closed.is_set():
+                # a closed connection is an exited host (its rank gave up on a peer, or died): the group is
+                # over now, and this rank may be held in a collective with that peer. Silence is waited out.
+                closed = "timeout" not in str(exc).lower()
+                if (closed or now - answered > self.bound_s) and not self._closed.is_set():
                     fail(self.env, EXIT_COLLECTIVE,
-                         f"the group's store at {self._where} has not answered for {now - answered:.0f} s "
-                         f"(--peer-timeout {self.bound_s:.0f}): {type(exc).__name__}: {exc}. Its host left the "
+                         f"the group's store at {self._where} "
+                         f"{'closed its connection' if closed else f'has not answered for {now - answered:.0f} s'}"
+                         f" (--peer-timeout {self.bound_s:.0f}): {type(exc).__name__}: {exc}. Its host left the "
                          f"run or this node lost the network. Exiting so the launchers re-form the group.")
                 continue
             for r, count in counts.items():

@@ -52,7 +52,6 @@ from __future__ import annotations
 
 import datetime
 import math
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -60,7 +59,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .dist import EXIT_MISMATCH, DistEnv, Watchdog, fail
+from .dist import EXIT_MISMATCH, DistEnv, Watchdog, fail, node_index
 from .perf import sync
 from .sync_strategy import all_gather, wait_timed
 
@@ -96,9 +95,9 @@ class Nodes:
 
 
 def find_nodes(env: DistEnv, watchdog: Watchdog) -> Nodes:
-    """Group the ranks by launcher (torchrun's GROUP_RANK: several launchers on one host are
-    separate nodes); collective: every rank builds every group, in the same order."""
-    mine = int(os.environ.get("GROUP_RANK", "0"))
+    """Group the ranks by launcher (dist.node_index: several launchers on one host are separate
+    nodes); collective: every rank builds every group, in the same order."""
+    mine = node_index()
     everyone: list[int | None] = [None] * env.world_size
     with watchdog.phase("all_gather node ranks", 0):
         dist.all_gather_object(everyone, mine)

@@ -514,10 +514,12 @@ def run(cfg: TrainConfig) -> int:
         t.status.flush()
         code = 0
     if env.distributed:
+        # past the barrier the ranks leave one by one, the store's host among them: none of them is
+        # lost, so every rank ends its watch before it (the barrier's own is the watchdog's)
+        if ranks.liveness is not None:
+            ranks.liveness.close()
         with watchdog.phase("final barrier", step):
             dist.barrier()
-        if ranks.liveness is not None:  # from here the ranks leave one by one: none of them is lost
-            ranks.liveness.close()
         dist.destroy_process_group()
     return code
 
