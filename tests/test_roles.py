@@ -428,6 +428,8 @@ LOCALHOST_INV = """all:
         (["-e", "lan_subnet=0.0.0.0/0"], "lan_subnet='0.0.0.0/0' is not inside a private range"),
         (["-e", "nproc_per_node=100"], "nproc_per_node=100 must be an integer from 1 to 64"),
         (["-e", "restart=ture"], "restart=ture must be true or false"),
+        (["-e", "min_nodes=3"], "min_nodes=3 must be a whole number from 1 to the inventory's 2 node(s)"),
+        (["-e", "work_split=inventory", "-e", "min_nodes=1"], "use -e min_nodes=2 with it, or -e work_split=auto"),
         (["-e", "run_start_join_timeout=99999"], "run_start_join_timeout=99999 a number of seconds from 30 to 3600"),
     ],
 )
