@@ -170,85 +170,56 @@ def inventory_rank(store: dist.Store, rank: int, world_size: int) -> tuple[int, 
 HEARTBEAT_S = 1.0  # how often each rank says it is alive, and looks at the others
 
 
-CLOSED_MARKS = ("got 0 bytes", "reset by peer", "broken pipe", "connection refused")  # a store that exited
-
-
 class Liveness:
     """Notices a peer that went silent (a laptop shut, frozen, asleep, off the WiFi) within
     --peer-timeout seconds, where its collectives would wait the whole --collective-timeout: a
-    silent peer closes no socket. A thread of each rank adds one to a counter of its own in the
-    group's store every second and reads the others'; another judges, on its own clock (a store
-    call to a frozen host may block for good): a counter that has not moved for the bound, or a
-    store that has not answered for it, ends this rank (exit 4), and the launchers re-form the group
-    with the nodes still there. A store that closed its connection (its host, a rank, exited: it gave
-    up on a peer, or died) ends it two beats later, time for this rank's own verdict if it has one.
-    A counter moves while its rank computes, waits or writes a checkpoint, so a slow peer is never
-    taken for a lost one. `close` ends the judging (the ranks then leave one by one, the store's
-    host among them); the beats go on until the process ends, for the ranks still judging."""
+    silent peer closes no socket. Each rank adds one to a counter of its own in the group's store
+    every second, from a thread, and reads the others'; a counter that has not moved for the bound,
+    or a store that has not answered for it, ends this rank (exit 4), and the launchers re-form the
+    group with the nodes still there. A counter moves while its rank computes, waits or writes a
+    checkpoint, so a slow peer is never taken for a lost one. `close` ends the watch before the
+    ranks leave at the end, one after another."""
 
     def __init__(self, env: DistEnv, bound_s: float):
         self.env, self.bound_s = env, bound_s
-        self._judging = True
-        self._lock = threading.Lock()
-        self._addr, self._port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-        self._store: dist.TCPStore | None = self._client()
-        now = time.monotonic()
-        self._answered = now  # the store's last answer
-        self._gone: tuple[float, str] | None = None  # since when, and why, the store's connection is closed
-        self._seen = {r: (-1, now) for r in range(env.world_size) if r != env.rank}  # each peer's count, since
-        threading.Thread(target=self._beat, name="peer-heartbeat", daemon=True).start()
-        threading.Thread(target=self._judge, name="peer-liveness", daemon=True).start()
-
-    def _client(self) -> dist.TCPStore:
+        self._closed = threading.Event()
+        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         # a client of its own: the thread never shares a connection with the process group
-        return dist.TCPStore(self._addr, self._port, is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=self.bound_s))
+        self._store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=bound_s),
+                                    wait_for_workers=False)
+        self._where = f"{addr}:{port}"
+        threading.Thread(target=self._run, name="peer-liveness", daemon=True).start()
 
     def close(self) -> None:
-        with self._lock:
-            self._judging = False
+        self._closed.set()
 
-    def _beat(self) -> None:
-        while True:
-            time.sleep(HEARTBEAT_S)
+    def _run(self) -> None:
+        others = [r for r in range(self.env.world_size) if r != self.env.rank]
+        seen = {r: (-1, time.monotonic()) for r in others}  # each peer's last count, and since when
+        answered = time.monotonic()
+        while not self._closed.wait(HEARTBEAT_S):
+            now = time.monotonic()
             try:
-                if self._store is None:
-                    self._store = self._client()
                 self._store.add(f"alive/{self.env.rank}", 1)
-                counts = {r: self._store.add(f"alive/{r}", 0) for r in self._seen}
+                counts = {r: self._store.add(f"alive/{r}", 0) for r in others}
+                answered = now
             except Exception as exc:  # noqa: BLE001 - the store's host is gone, or this node is cut off
-                self._store = None  # a client that timed out could read a late answer as the next one's
-                if any(mark in str(exc).lower() for mark in CLOSED_MARKS):
-                    with self._lock:
-                        self._gone = self._gone or (time.monotonic(), f"{type(exc).__name__}: {exc}")
-                continue
-            now = time.monotonic()
-            with self._lock:
-                self._answered, self._gone = now, None
-                for r, count in counts.items():
-                    if count != self._seen[r][0]:
-                        self._seen[r] = (count, now)
-
-    def _judge(self) -> None:
-        while True:
-            time.sleep(HEARTBEAT_S)
-            now = time.monotonic()
-            with self._lock:
-                if not self._judging:
-                    return
-                answered, gone, seen = self._answered, self._gone, dict(self._seen)
-            where = f"the group's store at {self._addr}:{self._port} (--peer-timeout {self.bound_s:.0f})"
-            if gone is not None and now - gone[0] >= 2 * HEARTBEAT_S:
-                fail(self.env, EXIT_COLLECTIVE, f"{where} closed its connection ({gone[1]}): its host, a rank of "
-                                                f"the group, exited. Exiting so the launchers re-form the group.")
-            if now - answered > self.bound_s:
-                fail(self.env, EXIT_COLLECTIVE, f"{where} has not answered for {now - answered:.0f} s: its host "
-                                                f"froze or left, or this node lost the network. Exiting so the "
-                                                f"launchers re-form the group.")
-            for r, (_, since) in seen.items():
-                if now - since > self.bound_s:
+                # a closed connection is an exited host (its rank gave up on a peer, or died): the group is
+                # over now, and this rank may be held in a collective with that peer. Silence is waited out.
+                closed = "timeout" not in str(exc).lower()
+                if (closed or now - answered > self.bound_s) and not self._closed.is_set():
                     fail(self.env, EXIT_COLLECTIVE,
-                         f"rank {r}@{self.env.hosts[r]} has been silent for {now - since:.0f} s "
+                         f"the group's store at {self._where} "
+                         f"{'closed its connection' if closed else f'has not answered for {now - answered:.0f} s'}"
+                         f" (--peer-timeout {self.bound_s:.0f}): {type(exc).__name__}: {exc}. Its host left the "
+                         f"run or this node lost the network. Exiting so the launchers re-form the group.")
+                continue
+            for r, count in counts.items():
+                if count != seen[r][0]:
+                    seen[r] = (count, now)
+                elif now - seen[r][1] > self.bound_s and not self._closed.is_set():
+                    fail(self.env, EXIT_COLLECTIVE,
+                         f"rank {r}@{self.env.hosts[r]} has been silent for {now - seen[r][1]:.0f} s "
                          f"(--peer-timeout {self.bound_s:.0f}): its node froze, went to sleep or dropped off "
                          f"the network. Exiting so the launchers re-form the group without it; the run "
                          f"resumes from its last checkpoint.")
