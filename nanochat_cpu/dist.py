@@ -136,6 +136,8 @@ def init_distributed(device: str, timeout_s: float) -> DistEnv:
 # ---- an elastic launch: which rank is which, and who is still there ---------------------------------
 
 NODES_ENV = "NANOCHAT_NODES"  # "MIN:MAX", set by nanochat_cpu.launch for the workers of an elastic launch
+GROUP_STORE_ENV = "NANOCHAT_GROUP_STORE"  # host:port of the rendezvous store (the master's launcher)
+GROUP_ENV = "NANOCHAT_GROUP"  # this group's name there: one for each group the rendezvous forms
 
 
 def node_index() -> int:
@@ -145,12 +147,17 @@ def node_index() -> int:
     return int(os.environ.get("NODE_RANK", os.environ.get("GROUP_RANK", "0")))
 
 
-def workers_store(timeout_s: float) -> dist.TCPStore:
-    """The store torchrun's rendezvous made for this group of workers (MASTER_ADDR/PORT): hosted by
-    torchrun's rank 0 (the launcher keeps it unshared with its own, TORCH_DISABLE_SHARE_RDZV_TCP_STORE)."""
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                         is_master=rank == 0, timeout=datetime.timedelta(seconds=timeout_s))
+def workers_store(timeout_s: float) -> dist.Store:
+    """The group's keys, in the master's rendezvous store: its launcher hosts it (the units'
+    --rdzv-endpoint, GROUP_STORE_ENV) for the whole run, so the ranks' store never lives with a node
+    that may go. torchrun would host a group's store in its rank 0 worker, on whichever node its
+    rendezvous numbered first, and a laptop holding it would take every rank's heartbeat with it when
+    it froze. GROUP_ENV (nanochat_cpu.launch, fresh for each group) keeps one group's keys from
+    another's."""
+    host, _, port = os.environ[GROUP_STORE_ENV].rpartition(":")
+    store = dist.TCPStore(host, int(port), is_master=False, wait_for_workers=False,
+                          timeout=datetime.timedelta(seconds=timeout_s))
+    return dist.PrefixStore(f"nanochat/group/{os.environ[GROUP_ENV]}", store)
 
 
 def inventory_rank(store: dist.Store, rank: int, world_size: int) -> tuple[int, list[int]]:
@@ -173,51 +180,64 @@ HEARTBEAT_S = 1.0  # how often each rank says it is alive, and looks at the othe
 class Liveness:
     """Notices a peer that went silent (a laptop shut, frozen, asleep, off the WiFi) within
     --peer-timeout seconds, where its collectives would wait the whole --collective-timeout: a
-    silent peer closes no socket. Each rank adds one to a counter of its own in the group's store
-    every second, from a thread, and reads the others'; a counter that has not moved for the bound,
-    or a store that has not answered for it, ends this rank (exit 4), and the launchers re-form the
-    group with the nodes still there. A counter moves while its rank computes, waits or writes a
-    checkpoint, so a slow peer is never taken for a lost one. `close` ends the watch before the
-    ranks leave at the end, one after another."""
+    silent peer closes no socket. Each rank adds one to a counter of its own in the group's keys
+    (workers_store: the master's launcher holds them) every second, from a thread, and reads the
+    others'; a counter that has not moved for the bound, or a store that has not answered for it,
+    ends this rank (exit 4), and the launchers re-form the group with the nodes still there. A
+    counter moves while its rank computes, waits or writes a checkpoint, so a slow peer is never
+    taken for a lost one. A rank that was itself frozen or asleep that long says so, and leaves too:
+    its group went on without it. `close` ends the judging before the ranks leave at the end, one
+    after another; the counting goes on until the process ends."""
 
     def __init__(self, env: DistEnv, bound_s: float):
         self.env, self.bound_s = env, bound_s
         self._closed = threading.Event()
-        addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
         # a client of its own: the thread never shares a connection with the process group
-        self._store = dist.TCPStore(addr, port, is_master=False, timeout=datetime.timedelta(seconds=bound_s),
-                                    wait_for_workers=False)
-        self._where = f"{addr}:{port}"
+        self._store = workers_store(bound_s)
+        self._where = os.environ[GROUP_STORE_ENV]
         threading.Thread(target=self._run, name="peer-liveness", daemon=True).start()
 
     def close(self) -> None:
         self._closed.set()
 
     def _run(self) -> None:
+        def clock() -> float:  # goes on through a machine's sleep, where time.monotonic() stops
+            return time.clock_gettime(time.CLOCK_BOOTTIME)
+
         others = [r for r in range(self.env.world_size) if r != self.env.rank]
-        seen = {r: (-1, time.monotonic()) for r in others}  # each peer's last count, and since when
-        answered = time.monotonic()
-        while not self._closed.wait(HEARTBEAT_S):
-            now = time.monotonic()
+        answered = last = clock()
+        seen = {r: (-1, last) for r in others}  # each peer's last count, and since when
+        while True:
+            time.sleep(HEARTBEAT_S)
+            now = clock()
+            away, last = now - last, now
             try:
                 self._store.add(f"alive/{self.env.rank}", 1)
                 counts = {r: self._store.add(f"alive/{r}", 0) for r in others}
                 answered = now
-            except Exception as exc:  # noqa: BLE001 - the store's host is gone, or this node is cut off
-                # a closed connection is an exited host (its rank gave up on a peer, or died): the group is
-                # over now, and this rank may be held in a collective with that peer. Silence is waited out.
+            except Exception as exc:  # noqa: BLE001 - the master's launcher is gone, or this node is cut off
+                # a closed connection: the master's launcher ended (its unit stopped or restarted), and
+                # with it the group. Silence is waited out: the master may be busy, or the WiFi slow.
                 closed = "timeout" not in str(exc).lower()
                 if (closed or now - answered > self.bound_s) and not self._closed.is_set():
                     fail(self.env, EXIT_COLLECTIVE,
-                         f"the group's store at {self._where} "
+                         f"the group's store at {self._where} (the master's launcher) "
                          f"{'closed its connection' if closed else f'has not answered for {now - answered:.0f} s'}"
-                         f" (--peer-timeout {self.bound_s:.0f}): {type(exc).__name__}: {exc}. Its host left the "
-                         f"run or this node lost the network. Exiting so the launchers re-form the group.")
+                         f" (--peer-timeout {self.bound_s:.0f}): {type(exc).__name__}: {exc}. The master left "
+                         f"the run (it pauses until the master is back) or this node lost the network. Exiting "
+                         f"so the launcher joins the run's group again.")
                 continue
+            if self._closed.is_set():
+                continue
+            if away > self.bound_s:
+                fail(self.env, EXIT_COLLECTIVE,
+                     f"this node was frozen or asleep for {away:.0f} s (--peer-timeout {self.bound_s:.0f}): the "
+                     f"other nodes have gone on without it. Exiting so its launcher joins the group again; a "
+                     f"machine that sleeps through systemd stops the run first (nanochat-wake@ starts it again).")
             for r, count in counts.items():
                 if count != seen[r][0]:
                     seen[r] = (count, now)
-                elif now - seen[r][1] > self.bound_s and not self._closed.is_set():
+                elif now - seen[r][1] > self.bound_s:
                     fail(self.env, EXIT_COLLECTIVE,
                          f"rank {r}@{self.env.hosts[r]} has been silent for {now - seen[r][1]:.0f} s "
                          f"(--peer-timeout {self.bound_s:.0f}): its node froze, went to sleep or dropped off "

@@ -31,6 +31,7 @@ import socket
 import sys
 import threading
 import time
+import uuid
 
 import torch.distributed.launcher.api as launcher_api
 from torch.distributed.elastic.agent.server.api import RunResult, WorkerGroup, WorkerState
@@ -39,11 +40,12 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import parse_args, run
 
-from .dist import EXIT_CONFIG, EXIT_MISMATCH, EXIT_STOPPED, NODES_ENV
+from .dist import EXIT_CONFIG, EXIT_MISMATCH, EXIT_STOPPED, GROUP_ENV, GROUP_STORE_ENV, NODES_ENV
 
 EXIT_LAUNCHER = 1  # mixed worker codes, or torchrun itself failed (rendezvous timeout, bad flags)
 WAIT_SAY_S = 60.0  # how often a launcher waiting for the master or for a group says so
 PROBE_S = 2.0  # between tries of the master's port
+GROUP_KEY = "nanochat/group"  # in a rendezvous round's keys: the name of the group it formed
 
 
 def say(msg: str) -> None:
@@ -101,6 +103,12 @@ class NodeAgent(LocalElasticAgent):
             super()._rendezvous(worker_group)
         finally:
             joined.set()
+        # the workers' keys live in the rendezvous store (dist.workers_store), under a name this group
+        # alone has: its rank 0 draws it in the round's own keys, every launcher hands it on
+        round_keys = worker_group.store
+        if worker_group.group_rank == 0:
+            round_keys.set(GROUP_KEY, uuid.uuid4().hex)
+        os.environ[GROUP_ENV] = round_keys.get(GROUP_KEY).decode()
         ranks = [w.global_rank for w in worker_group.workers]
         world = worker_group.workers[0].world_size if worker_group.workers else 0
         say(f"joined the group in {time.monotonic() - started:.1f} s: {worker_group.group_world_size} node(s), "
@@ -132,9 +140,11 @@ def elastic_setup(args) -> None:
     """An elastic launch (--rdzv-backend c10d): the environment torchrun's agent and our workers need."""
     low, _, high = str(args.nnodes).partition(":")
     os.environ[NODES_ENV] = f"{low}:{high or low}"
+    os.environ[GROUP_STORE_ENV] = args.rdzv_endpoint  # the workers' store: the master launcher's
     # The agent's rank 0 otherwise shares its rendezvous store with the workers, and a node joining
     # a running group then waits on a store key its rank 0 never writes: both time out after 60 s
-    # and close the rendezvous (torch 2.13, measured). Unshared, each group gets a store of its own.
+    # and close the rendezvous (torch 2.13, measured). Unshared, torchrun would have its rank 0
+    # worker host a store for the group; ours use the rendezvous store under a name of the group's.
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     launcher_api.LocalElasticAgent = NodeAgent  # launch_agent builds its agent by this name
     conf = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)

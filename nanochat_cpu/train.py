@@ -514,8 +514,8 @@ def run(cfg: TrainConfig) -> int:
         t.status.flush()
         code = 0
     if env.distributed:
-        # past the barrier the ranks leave one by one, the store's host among them: none of them is
-        # lost, so every rank ends its watch before it (the barrier's own is the watchdog's)
+        # past the barrier the ranks leave one by one, and none of them is lost: every rank ends its
+        # judging of the others before it (the barrier's own watch is the watchdog's)
         if ranks.liveness is not None:
             ranks.liveness.close()
         with watchdog.phase("final barrier", step):

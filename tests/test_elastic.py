@@ -44,7 +44,10 @@ def node_flags(data: Path, tok: Path, run: Path, node: int, iterations: int) -> 
 
 
 class Cluster:
-    """Three nodes of one elastic run on loopback; node 0, the master, hosts the rendezvous."""
+    """Three nodes of one elastic run on loopback; node 0, the master, hosts the rendezvous. The
+    nodes' addresses sort backwards (node 2 is 127.0.0.1), so torchrun's rendezvous numbers node 2
+    first, as it would a laptop whose address sorts before the workstation's: the group's ranks
+    must still be the inventory's, and the group's keys must not live with node 2, which freezes."""
 
     def __init__(self, data: Path, tok: Path, run: Path, iterations: int):
         self.data, self.tok, self.run, self.iterations = data, tok, run, iterations
@@ -55,7 +58,8 @@ class Cluster:
     def start(self, node: int) -> Watched:
         env = {**node_env(), "NODE_RANK": str(node)}
         target = train_target(*node_flags(self.data, self.tok, self.run, node, self.iterations))
-        self.nodes[node] = Watched(elastic_cmd(node, NODES, self.port, target, run_id=self.run_id), env)
+        self.nodes[node] = Watched(elastic_cmd(node, NODES, self.port, target, run_id=self.run_id,
+                                               local_addr=f"127.0.0.{3 - node}"), env)
         self.launched.append((node, self.nodes[node]))
         return self.nodes[node]
 
