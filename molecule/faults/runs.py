@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from nodes import STEP, Cluster, first, log, show_train_failure, steps, wait_for
@@ -60,7 +61,7 @@ def run_state(c: Cluster, run: Run) -> str:
     """Every node's unit state, checkpoint directories and last journal lines of this run: what a
     failed wait shows, so that a case that failed once says why."""
     cmd = (f"systemctl is-active {run.unit}; ls {run.dir}/checkpoints 2>&1 | tail -n 5; df -h {run.dir} | tail -n 1; "
-           f"journalctl -u {run.unit} -o cat --no-pager --since @{run.started:.6f} | tail -n 15")
+           f"journalctl -u {run.unit} -o cat --no-pager --since @{run.started:.6f} | tail -n 25")
     return "\n".join(f"---- {n}:\n{c.sh(n, cmd, check=False)}" for n in c.nodes)
 
 
@@ -111,16 +112,25 @@ def wait_active(c: Cluster, node: str, unit: str, timeout: float) -> bool:
 
 # ---- a fault and the resume after it -----------------------------------------------------------
 
-def kill_trainer(c: Cluster, node: str, unit: str) -> float:
+def trainer_pid(c: Cluster, node: str, unit: str) -> str:
     pid = c.unit(node, unit)["MainPID"]
     workers = c.sh(node, f"pgrep -P {pid} -f nanochat_cpu.train").split()
     assert len(workers) == 1, f"{node}: expected one trainer under torchrun {pid}, found {workers}"
+    return workers[0]
+
+
+def kill_mid_interval(c: Cluster, node: str, unit: str, at_least: int, since: float) -> float:
+    """SIGKILL of the node's trainer half way between two checkpoints (its pid looked up first: a
+    step may take 0.1 s, a `podman exec` 0.3)."""
+    pid = trainer_pid(c, node, unit)
+    wait_mid_interval(c, unit, at_least, since)
     t0 = time.time()
-    c.sh(node, f"kill -9 {workers[0]}")
-    log(f"SIGKILL {node} trainer pid {workers[0]}")
+    c.sh(node, f"kill -9 {pid}")
+    log(f"SIGKILL {node} trainer pid {pid}")
     return t0
 
 
+WORLD_STEP = re.compile(r"rank \d+/(\d+)\] step (\d+)/")  # a step line's world size and step
 # the resume line at the same layout ("resumed from checkpoint step N (...)") and at another
 # ("resumed step N, written by 3 ranks ..., re-sharded to 2 ranks")
 RESUMED = r"resumed (?:from checkpoint )?step \d+"
@@ -128,14 +138,16 @@ RESUMED = r"resumed (?:from checkpoint )?step \d+"
 WORKERS_EXITED = r"launcher: the (?:ranks stopped at a checkpoint|workers exited)"
 
 
-def resume_after(c: Cluster, unit: str, t0: float, killed: str | None, timeout: float) -> dict:
-    """Wait until the run trains again after a fault injected at t0; measure each phase."""
+def resume_after(c: Cluster, unit: str, t0: float, killed: str | None, timeout: float,
+                 state: Callable[[], str] | None = None) -> dict:
+    """Wait until the run trains again after a fault injected at t0; measure each phase. `state`
+    says what a wait that never ended saw (run_state)."""
     survivors = [n for n in c.nodes if n != killed]
     # the survivors' workers exit (FATAL: a peer lost; or a clean stop at a checkpoint), and their
     # launchers re-form the group (launch.py's lines): the unit itself stays active
     wait_for("the survivors' workers to exit", lambda: all(
         first(c.journal(n, unit, t0), rf"FATAL|{WORKERS_EXITED}|Main process exited|Failed with result")
-        for n in survivors), timeout=COLLECTIVE_TIMEOUT + 60)
+        for n in survivors), timeout=COLLECTIVE_TIMEOUT + 60, state=state)
 
     def resumed():
         lines = c.journal(c.master, unit, t0)
@@ -144,7 +156,7 @@ def resume_after(c: Cluster, unit: str, t0: float, killed: str | None, timeout: 
             return lines
         return None
 
-    lines = wait_for("the run to resume and train a step", resumed, timeout=timeout, every=3)
+    lines = wait_for("the run to resume and train a step", resumed, timeout=timeout, every=3, state=state)
     t_res, msg = first(lines, RESUMED)
     resumed_step = int(re.search(r"step (\d+)", msg).group(1))
     t_step, step1, loss1 = steps(lines, after=t_res)[0]
@@ -165,7 +177,7 @@ def resume_after(c: Cluster, unit: str, t0: float, killed: str | None, timeout: 
 
 def check_resume(c: Cluster, unit: str, t0: float, m: dict, killed: str | None, since: float) -> None:
     lines = c.journal(c.master, unit, since)  # this run's lines only (a journal outlives a rerun)
-    before = {s: loss for _, s, loss in steps(lines, before=t0)}
+    before = world_losses(lines, before=t0)
     last_before = max(before)
     m["last_step_before"] = last_before
     m["steps_lost"] = last_before - m["resumed_from"]
@@ -190,15 +202,26 @@ def check_resume(c: Cluster, unit: str, t0: float, m: dict, killed: str | None, 
         assert (fatal or m[n]["exit_s"]) <= bound, (
             f"{n} took {fatal}s to give up (bound {bound}s: --collective-timeout {COLLECTIVE_TIMEOUT} + 30)")
     # the resumed run recomputes the lost steps: the same losses (same data, RNG, optimizer
-    # state) prove it continued the curve from the checkpoint instead of starting over
-    after = {s: loss for _, s, loss in steps(lines, after=t0)}
+    # state) prove it continued the curve from the checkpoint instead of starting over. The master
+    # logs its own rows' loss, so only a step redone at the same world size can repeat its value.
+    after = world_losses(lines, after=t0)
     redone = [s for s in range(m["resumed_from"] + 1, last_before + 1) if s in after and s in before]
-    m["max_loss_diff_redone"] = max((abs(after[s] - before[s]) for s in redone), default=0.0)
+    same = [s for s in redone if after[s][0] == before[s][0]]
+    m["redone_at_another_world"] = len(redone) - len(same)
+    m["max_loss_diff_redone"] = max((abs(after[s][1] - before[s][1]) for s in same), default=0.0)
     assert m["max_loss_diff_redone"] < 1e-2, (
-        f"losses of the redone steps differ: {[(s, before[s], after[s]) for s in redone]}")
-    first_loss = m["first_loss_after"]
-    assert first_loss < math.log(VOCAB) - 0.3 and first_loss < before[1] - 0.3, (
-        f"loss after resume {first_loss} is back near the initial {before[1]} (ln {VOCAB} = {math.log(VOCAB):.2f})")
+        f"losses of the redone steps differ: {[(s, before[s], after[s]) for s in same]}")
+    first_loss, initial = m["first_loss_after"], before[1][1]
+    assert first_loss < math.log(VOCAB) - 0.3 and first_loss < initial - 0.3, (
+        f"loss after resume {first_loss} is back near the initial {initial} (ln {VOCAB} = {math.log(VOCAB):.2f})")
+
+
+def world_losses(lines: list[tuple[float, str]], after: float = 0.0, before: float = math.inf
+                 ) -> dict[int, tuple[int, float]]:
+    """step -> (world size, loss) of the master's step lines in [after, before)."""
+    worlds = {int(hit.group(2)): int(hit.group(1)) for t, msg in lines
+              if after <= t < before and (hit := WORLD_STEP.search(msg))}
+    return {s: (worlds[s], loss) for _, s, loss in steps(lines, after, before)}
 
 
 # ---- a train.yml the preflight refuses ---------------------------------------------------------

@@ -1,12 +1,14 @@
-"""Node loss: one run, four faults in turn.
+"""Node loss: one run, six faults in turn.
 
 train.yml again while it runs (refused, the run goes on), then the FAULTS_EVENTS faults, in order
-(default all three): SIGKILL of a worker's trainer, a worker container stopped (the others go on
-without it and it joins again when it is back), SIGKILL of the master's trainer. After each: the
-survivors' workers exit, their launchers re-form the group, the run resumes from the last complete
-checkpoint (steps lost <= the checkpoint interval; none for the stopped container), its losses
-repeat the ones computed before the fault (the curve goes on, no reset to ln(vocab)), and in the end
-it reaches its final step. The finished run stays on the nodes: the drift and inputs cases use it.
+(default all five): SIGKILL of a worker's trainer; a worker away and back three ways (its container
+stopped and started: a shutdown; systemd's suspend and the wake: a laptop's lid; its container
+paused and unpaused: a frozen or cut-off node), the others training on without it meanwhile; SIGKILL
+of the master's trainer. After each: the survivors' workers exit, their launchers re-form the group,
+the run resumes from the last complete checkpoint (steps lost <= the checkpoint interval; none after
+a graceful leave), its losses repeat the ones computed before the fault (the curve goes on, no reset
+to ln(vocab)), and in the end it reaches its final step. The finished run stays on the nodes: the
+drift and inputs cases use it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import os
 import re
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
@@ -24,11 +26,13 @@ from nodes import Cluster, first, log, show_train_failure, steps, wait_for
 from runs import (
     CHECKPOINT_EVERY,
     RESUMED,
+    WORLD_STEP,
     Run,
     check_resume,
     clean_run,
-    kill_trainer,
+    kill_mid_interval,
     resume_after,
+    run_state,
     wait_active,
     wait_mid_interval,
     wait_step,
@@ -37,8 +41,11 @@ from runs import (
 CASE = "node-loss"
 pytestmark = pytest.mark.incremental  # one run throughout: a fault it did not recover from spoils the rest
 
-EVENTS = ("kill-worker", "stop-worker", "kill-master")
-ITERATIONS = 150  # ~0.3 s a step: still running after the refused train.yml and three faults
+EVENTS = ("kill-worker", "stop-worker", "suspend-worker", "pause-worker", "kill-master")
+# ~0.6 s a step with node1 (the slow link), 0.15-0.2 s without it: still running after the refused
+# train.yml and three faults, node1's absence and its return (about 25 s, ROOM_TO_REJOIN steps) included
+ITERATIONS = 500
+ROOM_TO_REJOIN = 150
 
 
 def chosen_events() -> list[str]:
@@ -108,13 +115,15 @@ def test_fault_mid_run(cluster: Cluster, loss_run: Progress, case_report: dict, 
     """One fault, once the run has passed another checkpoint: the run resumes from the last one."""
     run = loss_run.run
     loss_run.last_fault = time.time()
-    if event == "stop-worker":
-        m = stop_container_and_resume(cluster, run, cluster.workers[0], loss_run.at_least)
+    if event in ABSENCES:
+        # the slow link (node1) goes first; the others leave from the last worker, whose absence
+        # leaves the pace about what it was (0.5-0.6 s a step), which the run's length counts on
+        node = cluster.workers[0] if event == "stop-worker" else cluster.workers[-1]
+        m = away_and_back(cluster, run, node, loss_run.at_least, ABSENCES[event])
     else:
         node = cluster.workers[0] if event == "kill-worker" else cluster.master
-        wait_mid_interval(cluster, run.unit, loss_run.at_least, run.started)
-        t0 = kill_trainer(cluster, node, run.unit)
-        m = resume_after(cluster, run.unit, t0, node, timeout=300)
+        t0 = kill_mid_interval(cluster, node, run.unit, loss_run.at_least, run.started)
+        m = resume_after(cluster, run.unit, t0, node, timeout=300, state=lambda: run_state(cluster, run))
         check_resume(cluster, run.unit, t0, m, node, run.started)
     case_report[event] = m
     loss_run.at_least = m.get("rejoined_at", m["resumed_from"]) + CHECKPOINT_EVERY
@@ -150,10 +159,16 @@ def test_run_finishes(cluster: Cluster, loss_run: Progress, case_report: dict) -
     log(f"run finished: {json.dumps(case_report['final'])}")
 
 
-# ---- the container stop ------------------------------------------------------------------------
+# ---- a node away and back ----------------------------------------------------------------------
 
-AWAY_STEPS = 8  # steps the others train without the stopped node before it comes back
-WORLD_STEP = re.compile(r"rank \d+/(\d+)\] step (\d+)/")
+AWAY_STEPS = 8  # steps the others train without the node before it comes back
+PEER_TIMEOUT = 30  # the trainer's --peer-timeout (its default): a silent node is noticed within it
+# The test's stand-in for the sleep itself, which a container cannot do: systemd-suspend.service
+# waits for WAKE_FILE instead of suspending the machine (a drop-in under /run, gone at a reboot).
+# Everything around it is systemd's own: suspend.target, sleep.target, the units hooked to them.
+SLEEP_DROPIN = "/run/systemd/system/systemd-suspend.service.d/faults-test.conf"
+WAKE_FILE = "/run/faults-test-wake"
+ASLEEP_FILE = "/run/faults-test-asleep"  # what `systemctl is-active <trainer>` said as the sleep began
 
 
 def world_steps(lines: list[tuple[float, str]], after: float) -> list[tuple[float, int, int]]:
@@ -162,41 +177,110 @@ def world_steps(lines: list[tuple[float, str]], after: float) -> list[tuple[floa
             if t >= after and (hit := WORLD_STEP.search(msg))]
 
 
-def stop_container_and_resume(c: Cluster, run: Run, node: str, at_least: int) -> dict:
-    """`podman stop` of a worker mid-run (its shutdown stops the unit, as a laptop's shutdown or
-    sleep does): every rank stops at a checkpoint with it, and the others go on without it at once,
-    losing no step. `podman start` once they have trained AWAY_STEPS steps alone: its unit starts at
-    boot, and it joins again at a checkpoint the others stop at, losing none either."""
+def podman(*args: str) -> None:
+    subprocess.run(["podman", *args], check=True, capture_output=True, timeout=120)
+
+
+def shut_down(c: Cluster, node: str, run: Run) -> None:
+    podman("stop", c.ct(node))
+
+
+def boot(c: Cluster, node: str, run: Run) -> dict:
+    """`podman start`: train.yml enabled the run's instance, so its unit starts at boot and the node
+    rejoins by itself; nobody starts it by hand."""
+    podman("start", c.ct(node))
+    c.sh(node, "timeout 120 systemctl is-system-running --wait", check=False)
+    autostart = wait_active(c, node, run.unit, 20)
+    assert autostart, (f"{node}'s {run.unit} did not start when the node came back "
+                       f"(UnitFileState={c.unit(node, run.unit).get('UnitFileState')}): the unit must be enabled")
+    return {"autostart": autostart}
+
+
+def suspend(c: Cluster, node: str, run: Run) -> None:
+    """systemd's suspend, as `systemctl suspend` starts it (suspend.target), with the sleep itself
+    replaced by a wait for WAKE_FILE."""
+    asleep = f"systemctl is-active {run.unit} > {ASLEEP_FILE}; until [ -e {WAKE_FILE} ]; do sleep 0.5; done"
+    c.sh(node, f"rm -f {WAKE_FILE} {ASLEEP_FILE}; mkdir -p {SLEEP_DROPIN.rsplit('/', 1)[0]}; "
+               f"printf '[Service]\\nExecStart=\\nExecStart=/bin/sh -c \"{asleep}\"\\n' > {SLEEP_DROPIN}; "
+               "systemctl daemon-reload; systemctl start --no-block suspend.target")
+
+
+def wake(c: Cluster, node: str, run: Run) -> dict:
+    """The machine wakes: nanochat-wake@<run> starts the run's unit again. The unit had stopped
+    before the sleep began (Conflicts=sleep.target), not while the machine slept."""
+    since = time.time()
+    try:
+        c.sh(node, f"touch {WAKE_FILE}")
+        wake_unit = run.unit.replace("nanochat-train@", "nanochat-wake@")
+
+        def started_again():
+            return wait_active(c, node, run.unit, 1) and first(c.journal(node, wake_unit, since), r"Finished")
+
+        def units():
+            return c.sh(node, f"systemctl status --no-pager {wake_unit} {run.unit} suspend.target "
+                              "systemd-suspend.service 2>&1 | tail -n 40", check=False)
+        woke = wait_for(f"{wake_unit} to start {run.unit} after the wake", started_again, timeout=60, state=units)
+        before_sleep = c.sh(node, f"cat {ASLEEP_FILE}", check=False).strip()
+        assert before_sleep == "inactive", (
+            f"{run.unit} was {before_sleep!r} as {node} went to sleep: the unit must stop before the sleep")
+    finally:  # the node's own suspend again, for whatever comes after
+        c.sh(node, f"rm -f {SLEEP_DROPIN} {WAKE_FILE} {ASLEEP_FILE}; systemctl daemon-reload", check=False)
+    return {"woken_by_unit": bool(woke), "trainer_at_sleep": before_sleep}
+
+
+def freeze(c: Cluster, node: str, run: Run) -> None:
+    podman("pause", c.ct(node))
+
+
+def thaw(c: Cluster, node: str, run: Run) -> dict:
+    podman("unpause", c.ct(node))
+    return {}
+
+
+@dataclass
+class Absence:
+    """A way for a node to be away: how it leaves, how it comes back, whether it says goodbye."""
+    leave: Callable[[Cluster, str, Run], None]
+    back: Callable[[Cluster, str, Run], dict]
+    graceful: bool
+
+
+ABSENCES = {
+    # a laptop shut down: systemd stops the unit, the ranks stop at a checkpoint together
+    "stop-worker": Absence(shut_down, boot, graceful=True),
+    # a laptop's lid closed: the same, hooked to sleep.target; the wake unit starts it again
+    "suspend-worker": Absence(suspend, wake, graceful=True),
+    # a laptop frozen, or off the WiFi: nothing says goodbye, the others notice the silence
+    "pause-worker": Absence(freeze, thaw, graceful=False),
+}
+
+
+def away_and_back(c: Cluster, run: Run, node: str, at_least: int, how: Absence) -> dict:
+    """A worker away mid-run: the others go on without it (at once, losing no step, after a graceful
+    leave; within --peer-timeout, losing at most a checkpoint interval, after a silent one). Back
+    once they have trained AWAY_STEPS steps without it, it joins at a checkpoint the others stop
+    at, costing no step."""
     unit = run.unit
     wait_mid_interval(c, unit, at_least, run.started)
-    world = world_steps(c.journal(c.master, unit, run.started), run.started)[-1][1]
+    world, last = world_steps(c.journal(c.master, unit, run.started), run.started)[-1][1:]
+    assert run.iterations - last >= ROOM_TO_REJOIN, (
+        f"the run is too short to see {node} come back: step {last} of {run.iterations} (ITERATIONS)")
     t0 = time.time()
-    subprocess.run(["podman", "stop", c.ct(node)], check=True, capture_output=True, timeout=120)
-    stopped_s = time.time() - t0
-    log(f"podman stop {c.ct(node)} took {stopped_s:.1f}s")
-
-    def without_it():
-        alone = [s for s in world_steps(c.journal(c.master, unit, t0), t0) if s[1] < world]
-        return alone if len(alone) >= AWAY_STEPS else None
-    alone = wait_for(f"the others to train {AWAY_STEPS} steps without {node}", without_it, timeout=180, every=2)
-    away = {n: c.unit(n, unit) for n in c.nodes if n != node}
-    m = resume_after(c, unit, t0, node, timeout=60)
-    check_resume(c, unit, t0, m, node, run.started)
-    assert m["graceful"], f"the others did not stop at a checkpoint with {node}: {m}"
-
-    subprocess.run(["podman", "start", c.ct(node)], check=True, capture_output=True, timeout=120)
-    t_back = time.time()
-    c.sh(node, "timeout 120 systemctl is-system-running --wait", check=False)
-    autostart = wait_active(c, node, unit, 20)
-    # train.yml enabled the run's instance: the node rejoins at boot, nobody starts it by hand
-    assert autostart, (f"{node}'s {unit} did not start when the node came back "
-                       f"(UnitFileState={c.unit(node, unit).get('UnitFileState')}): the unit must be enabled")
+    how.leave(c, node, run)
+    left_s = time.time() - t0
+    log(f"{how.leave.__name__} {node} took {left_s:.1f}s")
+    try:
+        alone, away, m = train_without(c, run, node, t0, world, how.graceful)
+    finally:  # back in any case: the cases after this one need every node
+        t_back = time.time()
+        came_back = how.back(c, node, run)
 
     def all_again():
         lines = c.journal(c.master, unit, t_back)
         back = [s for s in world_steps(lines, t_back) if s[1] == world]
         return (lines, back[0]) if back else None
-    lines, (t_all, _, first_all) = wait_for(f"{node} to train with the others again", all_again, timeout=300, every=3)
+    lines, (t_all, _, first_all) = wait_for(f"{node} to train with the others again", all_again, timeout=300, every=3,
+                                            state=lambda: run_state(c, run))
     stop = first(lines, r"stopped by SIGTERM after step \d+")
     rejoin = first(lines, RESUMED)
     assert stop and rejoin, f"{node} joined without a stop at a checkpoint and a resume: {lines[-20:]}"
@@ -206,11 +290,36 @@ def stop_container_and_resume(c: Cluster, run: Run, node: str, at_least: int) ->
         f"{node} rejoined at step {rejoin_step} after a stop at {stop_step}, first step together {first_all}")
     for n, u in away.items():
         assert u["ActiveState"] in ("active", "activating"), f"{n} gave up while {node} was away: {u}"
-    m.update(container_stop_s=round(stopped_s, 1), trained_without_s=round(alone[0][0] - t0, 1),
+    m.update(came_back, node=node, leave_s=round(left_s, 1), trained_without_s=round(alone[0][0] - t0, 1),
              steps_without=alone[-1][2] - alone[0][2] + 1, back_after_s=round(t_back - t0, 1),
-             autostart=autostart, rejoined_at=rejoin_step, rejoin_s=round(t_all - t_back, 1),
+             rejoined_at=rejoin_step, rejoin_s=round(t_all - t_back, 1),
              survivors_while_away={n: f"{u['ActiveState']}/{u['SubState']}" for n, u in away.items()})
     return m
+
+
+def train_without(c: Cluster, run: Run, node: str, t0: float, world: int, graceful: bool) -> tuple[list, dict, dict]:
+    """The others, after `node` left at t0: AWAY_STEPS steps at a smaller world. After a graceful
+    leave they stopped at a checkpoint with it, losing no step; after a silent one a survivor named
+    it, within --peer-timeout."""
+    unit = run.unit
+
+    def without_it():
+        alone = [s for s in world_steps(c.journal(c.master, unit, t0), t0) if s[1] < world]
+        return alone if len(alone) >= AWAY_STEPS else None
+    alone = wait_for(f"the others to train {AWAY_STEPS} steps without {node}", without_it, timeout=180, every=2,
+                     state=lambda: run_state(c, run))
+    away = {n: c.unit(n, unit) for n in c.nodes if n != node}
+    m = resume_after(c, unit, t0, node, timeout=60, state=lambda: run_state(c, run))
+    check_resume(c, unit, t0, m, node, run.started)
+    if graceful:
+        assert m["graceful"], f"the others did not stop at a checkpoint with {node}: {m}"
+    else:
+        noticed = [m[n]["fatal_s"] for n in away if f"@{node} has been silent" in (m[n]["fatal"] or "")]
+        assert noticed, f"no survivor said {node} went silent: {[m[n]['fatal'] for n in away]}"
+        assert min(noticed) <= PEER_TIMEOUT + 5, (
+            f"{node}'s silence was noticed after {min(noticed)} s (--peer-timeout {PEER_TIMEOUT})")
+        m["noticed_s"] = min(noticed)
+    return alone, away, m
 
 
 def slowest_tasks(out: str, n: int = 6) -> list[str]:
