@@ -15,11 +15,13 @@ torch's LocalElasticAgent; `NodeAgent` changes what it does with its workers' ex
 
 It also gives the workers as long to stop at a restart as at the end (torchrun's agent allows 30 s
 for a restart whatever TORCH_ELASTIC_SHUTDOWN_TIMEOUT says, too short for a big model's checkpoint
-on a slow link), and it says in the journal when it waits for a group and which one it joined.
+on a slow link), says in the journal when it waits for a group and which one it joined, and, off
+the master, leaves the run's rendezvous open when it ends (torch's launcher closes it for every
+node when its agent ends otherwise than by a signal: one node out of restarts would end the run).
 
 Outside the agent: torchrun exits 1 whatever its workers' exit codes were, so the launcher exits
-with the code every failed worker exited with; a stop signal exits 128 + the signal number, like a
-shell. A node that is not the rendezvous host waits for the host's port before it starts torchrun,
+with the code its failed workers exited with (2 or 3 if any rank saw it: `exit_code_of`); a stop
+signal exits 128 + the signal number, like a shell. A node that is not the rendezvous host waits for the host's port before it starts torchrun,
 saying so once a minute: the run pauses while the master is away (its launcher holds the group's
 state), without spending the unit's starts.
 """
@@ -53,7 +55,13 @@ def say(msg: str) -> None:
 
 
 def exit_code_of(failures) -> int:
+    """The workers' exit code for the unit: theirs where they agree; bad input (2) or ranks that
+    disagree (3) wherever one rank saw it (the others may have died of its exit, and a restart
+    cannot fix it); else EXIT_LAUNCHER."""
     codes = {f.exitcode for f in failures.values()}
+    for fatal in (EXIT_CONFIG, EXIT_MISMATCH):
+        if fatal in codes:
+            return fatal
     if len(codes) == 1:
         code = codes.pop()
         # negative = killed by that signal (torch's convention); report it like a shell does
@@ -65,9 +73,17 @@ class NodeAgent(LocalElasticAgent):
     """torch's local agent (see the module's text): no restart into bad input, free re-forms after
     a node's graceful leave, the graceful stop's time at every restart, and journal lines."""
 
+    hosts_rendezvous = True  # elastic_setup: whether this node's launcher hosts the run's rendezvous
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._nodes = os.environ.get(NODES_ENV, "")
+        if not self.hosts_rendezvous:
+            # torch's launch_agent closes the rendezvous for every node when its agent ends otherwise
+            # than by a signal (its restarts spent, a join timed out, the run done): one node's end
+            # would end the run everywhere. The run's is the master's to close; this node just leaves
+            # (its keep-alives stop with it).
+            self.get_worker_group().spec.rdzv_handler.shutdown = lambda: True
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
@@ -148,7 +164,8 @@ def elastic_setup(args) -> None:
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     launcher_api.LocalElasticAgent = NodeAgent  # launch_agent builds its agent by this name
     conf = dict(kv.split("=", 1) for kv in args.rdzv_conf.split(",") if "=" in kv)
-    if conf.get("is_host", "").lower() not in ("1", "true"):
+    NodeAgent.hosts_rendezvous = conf.get("is_host", "").lower() in ("1", "true")
+    if not NodeAgent.hosts_rendezvous:
         wait_for_host(args.rdzv_endpoint)
 
 

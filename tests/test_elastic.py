@@ -16,12 +16,15 @@ The times between an event and the training that follows it are printed (pytest 
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
-from tests.trainer_runs import Watched, elastic_cmd, free_port, node_env, tiny_flags, train_target
+from nanochat_cpu.launch import exit_code_of
+from tests.trainer_runs import Watched, descendants, elastic_cmd, free_port, node_env, tiny_flags, train_target
 
 NODES = "2:3"  # min_nodes:max_nodes, as the units pass --nnodes
 PEER_TIMEOUT = 8
@@ -55,11 +58,11 @@ class Cluster:
         self.nodes: dict[int, Watched] = {}
         self.launched: list[tuple[int, Watched]] = []  # every launcher started, the ended ones too
 
-    def start(self, node: int) -> Watched:
+    def start(self, node: int, max_restarts: int = 5) -> Watched:
         env = {**node_env(), "NODE_RANK": str(node)}
         target = train_target(*node_flags(self.data, self.tok, self.run, node, self.iterations))
         self.nodes[node] = Watched(elastic_cmd(node, NODES, self.port, target, run_id=self.run_id,
-                                               local_addr=f"127.0.0.{3 - node}"), env)
+                                               local_addr=f"127.0.0.{3 - node}", max_restarts=max_restarts), env)
         self.launched.append((node, self.nodes[node]))
         return self.nodes[node]
 
@@ -86,6 +89,14 @@ class Cluster:
     def step_at(self, world: int, since: int, timeout: float = 120) -> int:
         """The master's next step line with `world` ranks."""
         return self.master.wait_for(STEP_AT.format(world=world), since, timeout)
+
+
+def test_the_launcher_exits_with_the_code_a_restart_cannot_fix():
+    def failed(*codes: int) -> dict[int, SimpleNamespace]:
+        return {rank: SimpleNamespace(exitcode=code) for rank, code in enumerate(codes)}
+    assert exit_code_of(failed(2, -9)) == 2 and exit_code_of(failed(4, 3)) == 3  # one rank's bad input, one killed
+    assert exit_code_of(failed(5, 5)) == 5 and exit_code_of(failed(-9)) == 137  # a kill reads as a shell's
+    assert exit_code_of(failed(4, -15)) == 1  # anything else mixed: the launcher's own
 
 
 def number(regex: re.Pattern, line: str, group: int = 1) -> int:
@@ -264,6 +275,20 @@ def test_a_frozen_node_is_dropped_within_the_peer_timeout_and_below_min_nodes_th
         first = c.step_at(2, waiting, timeout=120)
         took["a second node back -> training at 2"] = c.master.at(first)[0] - t0
         assert re.search(r"launcher: joined the group in [0-9.]+ s: 2 node\(s\)", c.master.text(waiting, first))
+
+        # ---- a node whose launcher gives up (no restart left; here it had none) leaves the run's
+        # rendezvous open: torch's launcher would close it for every node on its way out, and the
+        # others' next group would fail
+        c.start(2, max_restarts=0)
+        joined = c.step_at(3, first, timeout=120)
+        c.nodes[2].wait_for(r"rank 2/3\] step", 0)
+        mark, t0 = c.master.mark(), time.monotonic()
+        for worker in descendants(c.nodes[2].proc.pid):
+            os.kill(worker, signal.SIGKILL)
+        assert c.drop(2).end(timeout=60) != 0
+        again = c.step_at(2, mark, timeout=120)
+        took["a launcher out of restarts -> the others at 2"] = c.master.at(again)[0] - t0
+        assert "RendezvousClosedError" not in c.master.text(joined) + c.nodes[1].text()
     finally:
         c.kill_all()
     print("\n" + "\n".join(f"{what}: {s:.1f} s" for what, s in took.items()))

@@ -164,13 +164,13 @@ ELASTIC_CONF = "last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt
 
 
 def elastic_cmd(node_rank: int, nodes: str, port: int, target: list[str], run_id: str = "test",
-                nproc: int = 1, local_addr: str = "127.0.0.1") -> list[str]:
+                nproc: int = 1, local_addr: str = "127.0.0.1", max_restarts: int = 5) -> list[str]:
     """One node's launcher as the units start it with elastic rendezvous (`nodes` = "MIN:MAX"):
     node 0, the master, hosts the rendezvous on loopback at `port`. `local_addr` is the address
     the node is known by (the units' NODE_ADDR), any of 127.0.0.0/8."""
     return [sys.executable, "-m", "nanochat_cpu.launch", f"--nnodes={nodes}", f"--nproc-per-node={nproc}",
             "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", f"--rdzv-id={run_id}",
-            f"--local-addr={local_addr}", "--max-restarts=5",
+            f"--local-addr={local_addr}", f"--max-restarts={max_restarts}",
             f"--rdzv-conf=is_host={'true' if node_rank == 0 else 'false'},{ELASTIC_CONF}", *target]
 
 
