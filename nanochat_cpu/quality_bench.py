@@ -3,12 +3,18 @@
     python -m nanochat_cpu.quality_bench                  # alone, 3 nodes in sync, 3 nodes at H = 8, 32, auto
     python -m nanochat_cpu.quality_bench --depth 2 --tokens 20000 --rows alone,sync   # does it run at all
     python -m nanochat_cpu.quality_bench --from build/quality.json                    # resume a long run
+    python -m nanochat_cpu.quality_bench --rows sync,away                             # a node away a third
 
 Rows: `alone` = one node; `sync` = --nodes nodes with --sync-every 1 (every step synchronous,
 ZeRO-2); each H of --sync-every (default 8,32,auto) = the same nodes training alone for H steps
 between outer syncs (DiLoCo; auto: the trainer picks H, column `H used`), after the trainer's
-synchronous warm-up (--sync-warmup-ratio, its default unless given). --rows picks some of
-them. A node is one launcher (nanochat_cpu.launch --nnodes N --node-rank r --nproc-per-node 1)
+synchronous warm-up (--sync-warmup-ratio, its default unless given). `away` = the sync row's
+nodes, launched as the units launch them (elastic: --nnodes=N-1:N, the c10d rendezvous hosted by
+node 0, each node its own --out-dir), whose last node leaves (SIGTERM, as at a laptop's sleep)
+when rank 0 reaches a third of the steps and comes back at two thirds: the others train on
+without it, and it joins at a checkpoint. Its line under the table says how long it was away and
+how many steps the others trained without it (a static launch trains none: the rest waits for it).
+--rows picks some of them. A node is one launcher (nanochat_cpu.launch --nnodes N --node-rank r --nproc-per-node 1)
 on loopback; the nodes share this host's cores, OMP_NUM_THREADS = max(1, cores // N) each, all
 of them for `alone`.
 
@@ -55,6 +61,7 @@ from .config import nearest_valid_totals
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 4096  # the cluster's (roles/dataset), so the bpb compare with its runs
 EVAL = re.compile(r"\] eval step (\d+) val_bpb=([0-9.]+)")
+RANK0_STEP = re.compile(r"\[\S+ rank 0/(\d+)\] step (\d+)/")  # rank 0's world size and step
 STEP_DT = re.compile(r"\] step \d+/\d+ (?:\([0-9.]+%\) )?loss=.*?dt_ms=(\d+)")  # rank 0's step line, not rank_loss=
 AUTO = re.compile(r"sync-every auto: H=(\d+)")
 OUTER = re.compile(r"outer step \d+ at step \d+")
@@ -74,6 +81,7 @@ class Row:
     threads: int = 0
     outer_syncs: int = 0  # rank 0's `outer step` lines
     log: str = ""
+    away: dict[str, Any] | None = None  # the away row: when its node left and came back, what went on meanwhile
 
 
 def is_h(name: str) -> bool:
@@ -92,8 +100,8 @@ def h_values(text: str) -> list[str]:
 def row_names(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     for name in names:
-        if name not in ("alone", "sync") and not is_h(name):
-            raise argparse.ArgumentTypeError(f"rows are alone, sync, auto or an integer H > 1; got {name!r}")
+        if name not in ("alone", "sync", "away") and not is_h(name):
+            raise argparse.ArgumentTypeError(f"rows are alone, sync, away, auto or an integer H > 1; got {name!r}")
     return [n if not n.isdigit() else str(int(n)) for n in names]
 
 
@@ -101,7 +109,7 @@ def plan(name: str, nodes: int) -> tuple[int, str]:
     """(nodes, --sync-every) of a row."""
     if name == "alone":
         return 1, "1"
-    return nodes, "1" if name == "sync" else name
+    return nodes, "1" if name in ("sync", "away") else name
 
 
 def batch_problem(rows: list[str], nodes: int, device_batch: int, seq: int, total: int) -> str:
@@ -189,6 +197,59 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+ELASTIC_CONF = "join_timeout=600,last_call_timeout=5,keep_alive_interval=2,keep_alive_max_attempt=3"
+
+
+def launch_away(nodes: int, threads: int, flags_of, out_dir: Path, steps: int, timeout: float
+                ) -> tuple[list[int], float, dict[str, Any]]:
+    """The away row's nodes, launched elastic on loopback; the last one leaves at a third of the
+    steps and comes back at two thirds. (exit codes, wall seconds, what happened while it was away)."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    port, last = free_port(), nodes - 1
+
+    def start(node: int) -> subprocess.Popen:
+        cmd = [sys.executable, "-m", "nanochat_cpu.launch", f"--nnodes={nodes - 1}:{nodes}", "--nproc-per-node=1",
+               "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=away", "--local-addr=127.0.0.1",
+               "--max-restarts=5", f"--rdzv-conf=is_host={'true' if node == 0 else 'false'},{ELASTIC_CONF}",
+               "-m", "nanochat_cpu.train", *flags_of(node)]
+        with open(out_dir / f"node{node}.log", "a") as log:
+            return subprocess.Popen(cmd, env={**env, "NODE_RANK": str(node)}, stdout=log, stderr=subprocess.STDOUT,
+                                    cwd=REPO)
+
+    def rank0_step() -> int:
+        found = RANK0_STEP.findall((out_dir / "node0.log").read_text(errors="replace"))
+        return int(found[-1][1]) if found else 0
+
+    t0 = time.monotonic()
+    procs = [start(node) for node in range(nodes)]
+    leave_at, back_at = steps // 3, 2 * steps // 3
+    left = back = None
+    try:
+        while any(p.poll() is None for p in procs) and time.monotonic() - t0 < timeout:
+            if any(p.returncode for i, p in enumerate(procs) if not (i == last and left and back is None)):
+                break
+            step = rank0_step()
+            if left is None and step >= leave_at:
+                procs[last].terminate()  # torchrun's stop: its ranks, and the others', stop at a checkpoint
+                procs[last].wait(timeout=300)
+                left = time.monotonic()
+            elif left is not None and back is None and step >= back_at:
+                procs[last] = start(last)
+                back = time.monotonic()
+            time.sleep(0.5)
+    finally:
+        stop(procs)
+    wall = time.monotonic() - t0
+    worlds = RANK0_STEP.findall((out_dir / "node0.log").read_text(errors="replace"))
+    meanwhile = sorted({int(step) for world, step in worlds if int(world) < nodes})
+    return [p.returncode for p in procs], wall, {
+        "left_at_step": leave_at, "back_at_step": back_at,
+        "away_s": round(back - left, 1) if left and back else None,
+        "away_share": round((back - left) / wall, 3) if left and back else None,
+        "steps_while_away": len(meanwhile)}
+
+
 def read_log(text: str, sync_every: str) -> dict[str, Any]:
     """From rank 0's output: the final val bpb, the summed step seconds, the outer syncs and the H used."""
     evals = EVAL.findall(text)
@@ -212,7 +273,15 @@ def run_row(name: str, args: argparse.Namespace, steps: int, settings: dict[str,
     out_dir.mkdir(parents=True)
     print(f"# {name}: {nodes} node(s) x {threads} thread(s), --sync-every {sync_every}, {steps} steps; "
           f"tail -f {out_dir}/node0.log", file=sys.stderr, flush=True)
-    codes, wall = launch(nodes, threads, trainer_flags(args, steps, sync_every, out_dir), out_dir, args.row_timeout)
+    away = None
+    if name == "away":  # each node its own disk, and a checkpoint to take up again at each change
+        def flags_of(node: int) -> list[str]:
+            flags = trainer_flags(args, steps, sync_every, out_dir / f"node{node}")
+            return [*flags[:flags.index("--resume")], "--resume", "auto", *flags[flags.index("--resume") + 2:]]
+        codes, wall, away = launch_away(nodes, threads, flags_of, out_dir, steps, args.row_timeout)
+    else:
+        codes, wall = launch(nodes, threads, trainer_flags(args, steps, sync_every, out_dir), out_dir,
+                             args.row_timeout)
     text = (out_dir / "node0.log").read_text(errors="replace")
     if wall > args.row_timeout:
         raise SystemExit(f"quality_bench: row {name} took over --row-timeout {args.row_timeout:.0f} s; logs in "
@@ -230,7 +299,7 @@ def run_row(name: str, args: argparse.Namespace, steps: int, settings: dict[str,
     return Row(row=name, nodes=nodes, sync_every=sync_every, settings=settings, h=found["h"], tokens=tokens,
                val_bpb=found["val_bpb"], wall_s=round(wall, 1),
                tok_per_s=round(tokens / found["train_s"]) if found["train_s"] else None, threads=threads,
-               outer_syncs=found["outer_syncs"], log=str(out_dir / "node0.log"))
+               outer_syncs=found["outer_syncs"], log=str(out_dir / "node0.log"), away=away)
 
 
 def reusable(earlier: list[dict[str, Any]], name: str, nodes: int, settings: dict[str, Any]) -> Row | None:
@@ -249,6 +318,13 @@ def table(rows: list[Row]) -> list[str]:
         cells = [r.row, r.nodes, r.sync_every, "" if r.h is None else r.h, f"{r.tokens:,}", f"{r.val_bpb:.4f}",
                  delta, r.wall_s, "" if r.tok_per_s is None else f"{r.tok_per_s:,}"]
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    for r in rows:
+        if r.away:
+            a = r.away
+            lines.append(f"\n{r.row}: node {r.nodes - 1} left at step {a['left_at_step']} and came back at step "
+                         f"{a['back_at_step']}, away {a['away_s']} s ({100 * (a['away_share'] or 0):.0f}% of the "
+                         f"row's wall time); the others trained {a['steps_while_away']} steps without it, until it was "
+                         f"back in the group (a static launch: none, waiting for it)")
     return lines
 
 

@@ -40,6 +40,7 @@ def test_rows_and_their_plan():
     with pytest.raises(argparse.ArgumentTypeError):
         row_names("alone,solo")
     assert [plan(r, 3) for r in ("alone", "sync", "8", "auto")] == [(1, "1"), (3, "1"), (3, "8"), (3, "auto")]
+    assert row_names("sync,away") == ["sync", "away"] and plan("away", 3) == (3, "1")  # synchronous, elastic
 
 
 def test_default_rows_steps_and_batch():
@@ -102,3 +103,14 @@ def test_table_shows_the_cost_against_sync():
     assert lines[2] == "| alone | 1 | 1 |  | 3,072 | 2.4900 | -0.40% | 10.0 | 2,000 |"
     assert lines[4] == "| auto | 3 | auto | 12 | 3,072 | 2.5500 | +2.00% | 8.0 | 3,000 |"
     assert table(rows[2:])[2].split(" | ")[6] == ""  # no sync row, no comparison
+
+
+def test_the_away_row_says_how_long_and_what_went_on_meanwhile():
+    away = {"left_at_step": 65, "back_at_step": 130, "away_s": 80.2, "away_share": 0.341, "steps_while_away": 66}
+    rows = [Row("sync", 3, "1", {}, tokens=3072, val_bpb=2.5, wall_s=9.0, tok_per_s=2500),
+            Row("away", 3, "1", {}, tokens=3072, val_bpb=2.51, wall_s=9.5, tok_per_s=2400, away=away)]
+    lines = table(rows)
+    assert lines[3] == "| away | 3 | 1 |  | 3,072 | 2.5100 | +0.40% | 9.5 | 2,400 |"
+    assert lines[-1] == ("\naway: node 2 left at step 65 and came back at step 130, away 80.2 s (34% of the row's "
+                         "wall time); the others trained 66 steps without it, until it was back in the group (a static "
+                         "launch: none, waiting for it)")
