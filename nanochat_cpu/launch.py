@@ -21,9 +21,9 @@ node when its agent ends otherwise than by a signal: one node out of restarts wo
 
 Outside the agent: torchrun exits 1 whatever its workers' exit codes were, so the launcher exits
 with the code its failed workers exited with (2 or 3 if any rank saw it: `exit_code_of`); a stop
-signal exits 128 + the signal number, like a shell. A node that is not the rendezvous host waits for the host's port before it starts torchrun,
-saying so once a minute: the run pauses while the master is away (its launcher holds the group's
-state), without spending the unit's starts.
+signal exits 128 + the signal number, like a shell. A node that is not the rendezvous host waits
+for the host's port before it starts torchrun, saying so once a minute: the run pauses while the
+master is away (its launcher holds the group's state), without spending the unit's starts.
 """
 
 from __future__ import annotations

@@ -14,8 +14,8 @@ node 0, each node its own --out-dir), whose last node leaves (SIGTERM, as at a l
 when rank 0 reaches a third of the steps and comes back at two thirds: the others train on
 without it, and it joins at a checkpoint. Its line under the table says how long it was away and
 how many steps the others trained without it (a static launch trains none: the rest waits for it).
---rows picks some of them. A node is one launcher (nanochat_cpu.launch --nnodes N --node-rank r --nproc-per-node 1)
-on loopback; the nodes share this host's cores, OMP_NUM_THREADS = max(1, cores // N) each, all
+--rows picks some of them. A node is one launcher (nanochat_cpu.launch --nnodes N --node-rank r
+--nproc-per-node 1) on loopback; the nodes share this host's cores, OMP_NUM_THREADS = max(1, cores // N) each, all
 of them for `alone`.
 
 Every row trains the same model (--depth, --seq) from the same seed on the same data and
@@ -136,12 +136,13 @@ def settings_of(args: argparse.Namespace, steps: int) -> dict[str, Any]:
     return {"steps": steps, **{k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items() if k in keys}}
 
 
-def trainer_flags(args: argparse.Namespace, steps: int, sync_every: str, out_dir: Path) -> list[str]:
+def trainer_flags(args: argparse.Namespace, steps: int, sync_every: str, out_dir: Path,
+                  resume: str = "never") -> list[str]:
     flags = ["--depth", str(args.depth), "--max-seq-len", str(args.seq), "--device-batch-size",
              str(args.device_batch_size), "--total-batch-size", str(args.total_batch_size),
              "--num-iterations", str(steps), "--seed", str(args.seed), "--sync-every", sync_every,
              "--dtype", "float32", "--compile", "off", "--eval-every", "0", "--eval-tokens", str(args.eval_tokens),
-             "--sample-every", "0", "--checkpoint-every", "0", "--checksum-every", "0", "--resume", "never",
+             "--sample-every", "0", "--checkpoint-every", "0", "--checksum-every", "0", "--resume", resume,
              "--tracking-uri", "none", "--run-name", "quality", "--data-dir", str(args.data_dir),
              "--tokenizer-dir", str(args.tokenizer_dir), "--out-dir", str(out_dir)]
     for name in PASSED_ON:  # unset: the trainer's defaults
@@ -158,13 +159,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def launcher_env(threads: int) -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",
+            "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+
+
 def launch(nodes: int, threads: int, flags: list[str], out_dir: Path, timeout: float) -> tuple[list[int], float]:
     """Every node's launcher on loopback, each writing out_dir/node<r>.log; (exit codes, wall seconds).
 
     The first node to fail stops the others: they would wait for it for the whole collective timeout.
     """
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    env = launcher_env(threads)
     port = free_port()
     procs = []
     t0 = time.monotonic()
@@ -204,8 +209,7 @@ def launch_away(nodes: int, threads: int, flags_of, out_dir: Path, steps: int, t
                 ) -> tuple[list[int], float, dict[str, Any]]:
     """The away row's nodes, launched elastic on loopback; the last one leaves at a third of the
     steps and comes back at two thirds. (exit codes, wall seconds, what happened while it was away)."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONUNBUFFERED": "1", "GLOO_SOCKET_IFNAME": "lo",
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)}
+    env = launcher_env(threads)
     port, last = free_port(), nodes - 1
 
     def start(node: int) -> subprocess.Popen:
@@ -276,8 +280,7 @@ def run_row(name: str, args: argparse.Namespace, steps: int, settings: dict[str,
     away = None
     if name == "away":  # each node its own disk, and a checkpoint to take up again at each change
         def flags_of(node: int) -> list[str]:
-            flags = trainer_flags(args, steps, sync_every, out_dir / f"node{node}")
-            return [*flags[:flags.index("--resume")], "--resume", "auto", *flags[flags.index("--resume") + 2:]]
+            return trainer_flags(args, steps, sync_every, out_dir / f"node{node}", resume="auto")
         codes, wall, away = launch_away(nodes, threads, flags_of, out_dir, steps, args.row_timeout)
     else:
         codes, wall = launch(nodes, threads, trainer_flags(args, steps, sync_every, out_dir), out_dir,
