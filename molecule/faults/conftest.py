@@ -24,7 +24,7 @@ from nodes import REPO, Cluster, log
 
 HERE = Path(__file__).resolve().parent
 # drift copies an env file of node-loss's run and inputs resumes node-loss's finished run: node-loss first
-CASES = ("node-loss", "drift", "network", "stale", "checkpoint", "inputs")
+CASES = ("node-loss", "absent-start", "drift", "network", "stale", "checkpoint", "inputs")
 # module name -> (test, what failed) of the first failure in that case's module
 FAILURES: dict[str, tuple[str, str]] = {}
 

@@ -7,6 +7,8 @@
 for the nearest free one), writes {"ports": [...]} to FILE, answers each connection with its
 host name, and exits after N connections or S seconds. `connect` connects from the training
 address to each target and prints one JSON list: {"host", "addr", "port", "what", "ok", "error"}.
+A target with "connect_only" (a port a running trainer holds) is only connected to: no hello is
+sent, none awaited.
 """
 
 from __future__ import annotations
@@ -85,8 +87,9 @@ def connect(args: argparse.Namespace) -> int:
         try:
             s.bind((args.src, 0))
             s.connect((t["addr"], int(t["port"])))
-            s.sendall((me + "\n").encode())
-            s.recv(256)
+            if not t.get("connect_only"):  # a running trainer's port: reached is enough, it is sent nothing
+                s.sendall((me + "\n").encode())
+                s.recv(256)
             r["ok"] = True
         except TimeoutError:
             r["error"] = f"timed out after {args.timeout:g}s (dropped: a firewall, or no route from {args.src})"
