@@ -32,6 +32,18 @@ KEPT_ON_RESUME = ("step", "loss", "tok_per_s", "mfu", "elapsed_s", "eta_s", "ela
                   "verdict", "sample")
 
 
+def out_of_the_group(earlier: dict, nodes: list[int] | None) -> dict[str, dict]:
+    """The `left` field of a group that has just (re)formed: every inventory place the earlier file
+    listed as left or had in its group, less the places in this group, each with the earlier
+    step and time it was last seen in (kept from the first time it was found gone)."""
+    if not nodes:
+        return {}
+    left = {place: seen for place, seen in (earlier.get("left") or {}).items() if isinstance(seen, dict)}
+    for place in earlier.get("nodes") or []:
+        left.setdefault(str(place), {"step": earlier.get("step"), "time": earlier.get("updated")})
+    return {place: seen for place, seen in left.items() if not (place.isdigit() and int(place) in nodes)}
+
+
 class RunStatus:
     def __init__(self, out_dir: str, run_name: str, env: DistEnv, total: int, writes: bool, resumed: bool):
         """`writes`: this rank is its disk's writer; `resumed`: the run goes on from a checkpoint,
@@ -49,9 +61,14 @@ class RunStatus:
             "tok_per_s": None, "mfu": None, "step_s": None, "elapsed_s": None, "eta_s": None, "elapsed": None,
             "eta": None,
             "val_bpb": None, "val_step": None, "verdict": None, "sample": None, "updated": None,
+            # an elastic launch: the inventory places out of the group now that were in it, each
+            # with the step and time of the last status written while it was ({"2": {"step": 48, ...}})
+            "left": {},
         }
         if self.path is not None and resumed:
-            self.fields.update({k: v for k, v in self._earlier(run_name).items() if k in KEPT_ON_RESUME})
+            earlier = self._earlier(run_name)
+            self.fields.update({k: v for k, v in earlier.items() if k in KEPT_ON_RESUME})
+            self.fields["left"] = out_of_the_group(earlier, self.fields["nodes"])
         self.failed_once = False
         self._cond = threading.Condition()
         self._pending: dict[str, Any] | None = None  # the newest state not yet written

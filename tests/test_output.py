@@ -238,3 +238,30 @@ def test_run_progress_says_a_run_that_stopped_stepping_is_not_training(tmp_path)
     line = rp.progress_line("d4", "active/running", "0", p, "stalled, no step for 61s")
     assert line == "d4 step 21/40 (52.5%) loss 4.8000 | 900 tok/s | elapsed 1.2m eta - | stalled, no step for 61s"
     assert rp.progress_line("d4", "active/running", "0", p, "training").endswith("eta 1.1m")
+
+
+def test_the_master_remembers_which_nodes_left_the_group_and_since_when(tmp_path) -> None:
+    """An elastic run's status file lists the nodes out of the group that were in it, with the step
+    and time of the last status written while they were; a node back in the group is off the list,
+    and one gone through several re-formations keeps the step it was first found gone at."""
+    from nanochat_cpu.dist import DistEnv
+    from nanochat_cpu.run_status import RunStatus
+
+    rp = run_progress()
+
+    def group(places: list[int], step: int | None, resumed: bool = True) -> dict:
+        env = DistEnv(rank=0, local_rank=0, world_size=len(places), backend="gloo", host="node0",
+                      hosts=[f"node{p}" for p in places], nodes=places)
+        status = RunStatus(str(tmp_path), "d4", env, 400, writes=True, resumed=resumed)
+        status.update(state="training", step=step)
+        assert status.flush()
+        return rp.read_status(status.path)
+
+    assert group([0, 1, 2], 30, resumed=False)["left"] == {}
+    said = group([0, 1], 48)  # node2 left at the checkpoint of step 30's file
+    assert said["nodes"] == [0, 1] and set(said["left"]) == {"2"} and said["left"]["2"]["step"] == 30
+    said = group([0], 60)  # then node1, while node2 is still away
+    assert said["left"]["2"]["step"] == 30 and said["left"]["1"]["step"] == 48
+    said = group([0, 2], 61)  # node2 back
+    assert set(said["left"]) == {"1"} and said["left"]["1"]["step"] == 48
+    assert isinstance(said["left"]["1"]["time"], float)

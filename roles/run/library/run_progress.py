@@ -70,6 +70,12 @@ nodes:
     trainer last saw it (an elastic launch), or null.
   type: list
   returned: always
+left:
+  description: The inventory places (as strings) of the nodes out of the run's group now that were
+    in it, each with C(step) and C(time) (epoch seconds) of the last status written while they were
+    (an elastic launch; empty otherwise).
+  type: dict
+  returned: always
 progress:
   description: One line, e.g. C(d8 step 120/500 (24.0%) loss 4.1000 | 912 tok/s | elapsed 3.2m eta 10.1m).
   type: str
@@ -203,6 +209,7 @@ def main() -> None:
         last_line=last_line(module, run),
         phase=doing,
         nodes=status.get("nodes"),
+        left=status.get("left") or {},
         progress=progress_line(run, state, restarts, cells, doing),
         **cells,
     )
