@@ -38,6 +38,7 @@ from .checkpoint_files import (
     load_model_state,
     load_rank_state,
     mark_complete,
+    missing_files,
     prune,
     read_marker,
     step_dir,
@@ -143,16 +144,18 @@ def tokenizer_refusal(tokenizer_dir: str, where: str, saved: RunState, tokenizer
             f"run's original tokenizer again (site.yml), or {START_AFRESH}")
 
 
-def survey(env: DistEnv, disks: Disks, watchdog: Watchdog) -> list[dict[int, dict]]:
-    """Every rank's complete checkpoints on its disk: {step: its COMPLETE marker}, by rank."""
+def survey(env: DistEnv, disks: Disks, watchdog: Watchdog) -> tuple[list[dict[int, dict]], list[dict[int, list]]]:
+    """Every rank's complete checkpoints on its disk ({step: its COMPLETE marker}) and its sealed
+    ones that lack files ({step: the missing names}: deleted or lost since they were sealed), by rank."""
     markers = {s: read_marker(disks.out_dir, s) for s in list_steps(disks.out_dir)}
     mine = {s: marker for s, marker in markers.items() if marker is not None}  # each marker read once
+    broken = {s: lacking for s in markers if s not in mine and (lacking := missing_files(disks.out_dir, s))}
     if not env.distributed:
-        return [mine]
+        return [mine], [broken]
     everyone: list = [None] * env.world_size
     with watchdog.phase("all_gather checkpoint steps", 0):
-        dist.all_gather_object(everyone, mine, group=disks.group)
-    return everyone
+        dist.all_gather_object(everyone, (mine, broken), group=disks.group)
+    return [complete for complete, _ in everyone], [lacking for _, lacking in everyone]
 
 
 def holdings(env: DistEnv, everyone: list[dict[int, dict]]) -> str:
@@ -160,12 +163,15 @@ def holdings(env: DistEnv, everyone: list[dict[int, dict]]) -> str:
     return "; ".join(f"rank {r}@{hosts[r]}: steps {sorted(steps) or 'none'}" for r, steps in enumerate(everyone))
 
 
-def choose_resume_step(resume: str, out_dir: str, env: DistEnv, everyone: list[dict[int, dict]]) -> int | None:
+def choose_resume_step(resume: str, out_dir: str, env: DistEnv, everyone: list[dict[int, dict]],
+                       broken: list[dict[int, list]]) -> int | None:
     """The newest step some disk holds whole; None for a fresh run. A checkpoint sealed by an older
     version holds only its node's ranks' files: it counts only where every rank's disk has it.
-    `resume`: --resume (never: a directory that holds checkpoints is refused)."""
+    A sealed step that no disk holds whole (`broken`: survey's) is never trained over silently:
+    older than a whole one it is passed over, newer it is named, and with no whole step to go
+    back to, the run stops. `resume`: --resume (never: a directory that holds checkpoints is refused)."""
     if resume == "never":
-        if any(everyone):
+        if any(everyone) or any(broken):
             fail(env, EXIT_CONFIG, f"--resume never, but {out_dir} already holds this run's checkpoints "
                                    f"({holdings(env, everyone)}): a fresh run would mix with them and prune them. "
                                    f"Fix: another --run-name or --out-dir for a new run, or --resume auto to go on "
@@ -181,7 +187,30 @@ def choose_resume_step(resume: str, out_dir: str, env: DistEnv, everyone: list[d
                                f"they resume only on the nodes that wrote them. Fix: resume once on those nodes "
                                f"until the next checkpoint (it holds every rank's state), then change the "
                                f"cluster; or {START_AFRESH}")
-    return max(usable) if usable else None
+    newest = max(usable) if usable else None
+    lost = incomplete_everywhere(env, broken, usable, newest)
+    if lost and newest is None:
+        fail(env, EXIT_CONFIG, f"every checkpoint under {out_dir} was sealed and has since lost files on every "
+                               f"disk ({lost}): none can be resumed, and starting at step 1 would train over "
+                               f"them. Fix: put the missing files back (a backup, or a disk of this run not in "
+                               f"the group now), or {START_AFRESH}")
+    if lost and env.master:
+        log(env, f"WARNING: checkpoints newer than step {newest} were sealed and have since lost files on every "
+                 f"disk ({lost}): resuming from step {newest}, the newest one whole; the steps after it are redone")
+    return newest
+
+
+def incomplete_everywhere(env: DistEnv, broken: list[dict[int, list]], usable: set[int], newest: int | None) -> str:
+    """The sealed steps newer than `newest` that no disk holds whole, each disk's missing files
+    named ("step 12: node0 lacks rank1.pt"); empty when there are none."""
+    hosts = env.hosts or [env.host]
+    lacking: dict[int, dict[str, list]] = {}
+    for rank, steps in enumerate(broken):
+        for step, names in steps.items():
+            if step not in usable and (newest is None or step > newest):
+                lacking.setdefault(step, {})[hosts[rank]] = names  # ranks that share a disk say the same
+    return "; ".join(f"step {step}: " + ", ".join(f"{host} lacks {', '.join(names)}" for host, names in by_host.items())
+                     for step, by_host in sorted(lacking.items()))
 
 
 def restore_missing(env: DistEnv, disks: Disks, step: int, everyone: list[dict[int, dict]],
@@ -348,8 +377,8 @@ def find_resume_step(resume: str, env: DistEnv, disks: Disks,
     """The newest step some disk holds whole (None: a fresh run) and every rank's checkpoints; the
     trainer needs the step before it builds the optimizer (synchronous, or local steps past the
     warm-up). `resume`: --resume."""
-    everyone = survey(env, disks, watchdog)
-    return choose_resume_step(resume, disks.out_dir, env, everyone), everyone
+    everyone, broken = survey(env, disks, watchdog)
+    return choose_resume_step(resume, disks.out_dir, env, everyone, broken), everyone
 
 
 def load_checkpoint(env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, step: int,

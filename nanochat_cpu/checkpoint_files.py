@@ -178,6 +178,22 @@ def read_marker(out_dir: str, step: int, needed: list[str] | None = None) -> dic
     return marker
 
 
+def missing_files(out_dir: str, step: int) -> list[str] | None:
+    """What a sealed step lacks on this disk: [] when it is whole, the names its COMPLETE marker
+    lists that are gone (or the marker itself, unreadable), None when it was never sealed (a write
+    cut short: not a checkpoint)."""
+    d = step_dir(out_dir, step)
+    marker = os.path.join(d, "COMPLETE")
+    if not os.path.lexists(marker):
+        return None
+    try:
+        with open(marker) as f:
+            files = json.load(f)["files"]
+        return [name for name in files if not os.path.exists(os.path.join(d, name))]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ["COMPLETE (unreadable)"]
+
+
 def list_steps(out_dir: str) -> list[int]:
     root = checkpoint_root(out_dir)
     if not os.path.isdir(root):

@@ -442,7 +442,7 @@ def start_local_steps(t: Training, step: int) -> None:
     cfg, env, watchdog = t.cfg, t.ranks.env, t.ranks.watchdog
     t.opt = None  # the synchronous optimizer's memory goes before the nodes' own is built
     t.opt = setup_optimizer(cfg, env, t.model, t.ranks.muon_dtype, watchdog, t.plan.nodes)
-    everyone = checkpoint.survey(env, t.disks, watchdog)
+    everyone, _ = checkpoint.survey(env, t.disks, watchdog)
     _, saved, _ = checkpoint.load_checkpoint(env, t.disks, t.model, t.opt, step, everyone, resume_terms(cfg, t.ranks),
                                              watchdog, local_steps=True)
     log(env, f"synchronous warm-up done at step {step} (--sync-warmup-ratio {cfg.sync_warmup_ratio}): every node "

@@ -675,3 +675,41 @@ def test_run_check_refuses_to_resume_with_another_tokenizer_or_depth(trained_run
     [problem] = run_check(tiny_flags(tiny_data_dir, other_tokenizer_dir, run, resume="never"))
     assert "--resume never, but" in problem and "steps [4, 8, 12]" in problem and "new run_name" in problem, problem
     assert tree_digest(run / "checkpoints") == digest
+
+
+def test_a_checkpoint_that_lost_a_rank_file_on_every_disk_is_named_never_trained_over(tiny_data_dir,
+                                                                                      tiny_tokenizer_dir, tmp_path):
+    """Two ranks on one disk; each sealed checkpoint's rank1.pt deleted afterwards. With none whole
+    the run stops naming the steps, the host and the file, and leaves every file as it was (it used
+    to start at step 1 silently and write its steps over them). With an older one whole it resumes
+    from that one, naming the newer one it passes over."""
+    out = tmp_path / "run"
+    flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, out, checkpoint_every=10, num_iterations=12)
+    first = run_torchrun(2, train_target(*flags))
+    assert first.returncode == 0, first.stdout + first.stderr
+    ck = out / "checkpoints"
+    assert checkpoint_files.complete_steps(str(out)) == [10, 12]
+    kept = (ck / "step_000010" / "rank1.pt").read_bytes()
+    for step in (10, 12):
+        (ck / f"step_{step:06d}" / "rank1.pt").unlink()
+    before = tree_digest(out / "checkpoints")
+    longer = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, out, checkpoint_every=10, num_iterations=20)
+
+    t0 = time.monotonic()
+    stopped = run_torchrun(2, train_target(*longer))
+    said = stopped.stdout + stopped.stderr
+    assert stopped.returncode == 2, said
+    host = socket.gethostname()
+    assert re.search(rf"lost files on every disk \(step 10: {re.escape(host)} lacks rank1\.pt; "
+                     rf"step 12: {re.escape(host)} lacks rank1\.pt\)", said), said
+    assert not losses(stopped.stdout), "a step was trained over the checkpoints"
+    assert time.monotonic() - t0 < FAIL_FAST_S * 4
+    assert tree_digest(out / "checkpoints") == before, "the stopped run changed the checkpoints"
+
+    (ck / "step_000010" / "rank1.pt").write_bytes(kept)  # step 10 whole again, step 12 still not
+    resumed = run_torchrun(2, train_target(*longer))
+    said = resumed.stdout + resumed.stderr
+    assert resumed.returncode == 0, said
+    assert f"newer than step 10 were sealed and have since lost files on every disk (step 12: {host} lacks " \
+           "rank1.pt): resuming from step 10" in said, said
+    assert "resumed from checkpoint step 10" in said and sorted(losses(resumed.stdout)) == list(range(11, 21))
