@@ -78,6 +78,7 @@ class NodeAgent(LocalElasticAgent):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._nodes = os.environ.get(NODES_ENV, "")
+        self._last_state: WorkerState | None = None  # what the last look at the workers found
         if not self.hosts_rendezvous:
             # torch's launch_agent closes the rendezvous for every node when its agent ends otherwise
             # than by a signal (its restarts spent, a join timed out, the run done): one node's end
@@ -87,6 +88,7 @@ class NodeAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
+        self._last_state = result.state
         if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) and result.failures:
             code = exit_code_of(result.failures)
             if code in (EXIT_CONFIG, EXIT_MISMATCH):
@@ -100,6 +102,14 @@ class NodeAgent(LocalElasticAgent):
                 say(f"the workers exited {code} (a peer lost, or a crash): re-forming the group; the run "
                     f"resumes from its last checkpoint ({self._remaining_restarts - 1} restart(s) left)")
         return result
+
+    def _restart_workers(self, worker_group: WorkerGroup) -> None:
+        # torch's agent restarts healthy workers when launchers wait to join the group: a node
+        # back, or the others re-forming after a leave while this node's ranks were still closing
+        if self._last_state == WorkerState.HEALTHY:
+            say("nodes are waiting to join the group: the ranks stop at a checkpoint and the group re-forms "
+                "with them")
+        super()._restart_workers(worker_group)
 
     def _stop_workers(self, worker_group: WorkerGroup, *args, **kwargs) -> None:
         self._shutdown(timeout=self._shutdown_timeout)

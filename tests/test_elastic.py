@@ -171,6 +171,8 @@ def test_a_node_leaves_comes_back_is_lost_comes_back_and_the_run_ends_whole(tiny
         events = history(c.master.text(mark, first + 1))
         stops = [int(s) for s in STOPPED.findall(c.master.text(mark, first))]
         assert len(stops) == 1 and ("resumed", 3, stops[0]) in events, c.master.text(mark)  # none lost
+        # torch's agent restarts the healthy ranks for the waiting node: the journal says why
+        assert "launcher: nodes are waiting to join the group" in c.master.text(mark, first), c.master.text(mark)
         c.nodes[2].wait_for(r"rank 2/3\] step", 0)
 
         # ---- node 1 is lost (SIGKILL, launcher and workers): the other two lose at most the steps

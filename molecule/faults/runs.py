@@ -135,7 +135,8 @@ WORLD_STEP = re.compile(r"rank \d+/(\d+)\] step (\d+)/")  # a step line's world 
 # ("resumed step N, written by 3 ranks ..., re-sharded to 2 ranks")
 RESUMED = r"resumed (?:from checkpoint )?step \d+"
 # nanochat_cpu.launch, when its workers exit and it re-forms the group
-WORKERS_EXITED = r"launcher: the (?:ranks stopped at a checkpoint|workers exited)"
+# (or, when torch's agent saw launchers waiting to join while its ranks were closing, its own restart)
+WORKERS_EXITED = r"launcher: (?:the (?:ranks stopped at a checkpoint|workers exited)|nodes are waiting to join)"
 
 
 def resume_after(c: Cluster, unit: str, t0: float, killed: str | None, timeout: float,

@@ -273,6 +273,8 @@ def away_and_back(c: Cluster, run: Run, node: str, at_least: int, how: Absence) 
     log(f"{how.leave.__name__} {node} took {left_s:.1f}s")
     try:
         alone, away, m = train_without(c, run, node, t0, world, how.graceful)
+        if how.leave is shut_down:
+            m["status_yml"] = status_while_away(c, run, node)
     finally:  # back in any case: the cases after this one need every node
         t_back = time.time()
         came_back = how.back(c, node, run)
@@ -297,6 +299,19 @@ def away_and_back(c: Cluster, run: Run, node: str, at_least: int, how: Absence) 
              rejoined_at=rejoin_step, rejoin_s=round(t_all - t_back, 1),
              survivors_while_away={n: f"{u['ActiveState']}/{u['SubState']}" for n, u in away.items()})
     return m
+
+
+def status_while_away(c: Cluster, run: Run, node: str) -> str:
+    """status.yml while `node` is shut down: a row of its own, and the master's summary naming it
+    away since the step it left at."""
+    rc, out, took = c.playbook("status.yml", {"run_name": run.name})
+    assert re.search(rf"^\s*{node}\s+\d+\s+{run.name}\s+unreachable", out, flags=re.MULTILINE), (
+        f"status.yml has no row for the away {node}:\n{out[-4000:]}")
+    said = re.search(rf"{run.name}: in the group now [^\n\"]*away: {node} \(out since step \d+[^)]*\)",
+                     " ".join(out.split()))
+    assert said, f"status.yml's summary does not say since when {node} is away:\n{out[-4000:]}"
+    log(f"status.yml in {took:.0f}s: {said.group(0)}")
+    return said.group(0)
 
 
 def train_without(c: Cluster, run: Run, node: str, t0: float, world: int, graceful: bool) -> tuple[list, dict, dict]:
