@@ -108,6 +108,10 @@ def start_everywhere(c: Cluster, cmd: str) -> None:
         t.join()
 
 
+def podman(*args: str) -> None:
+    subprocess.run(["podman", *args], check=True, capture_output=True, timeout=120)
+
+
 def wait_for(what: str, probe: Callable[[], T], timeout: float, every: float = 2.0,
              state: Callable[[], str] | None = None) -> T:
     """probe()'s first truthy answer; an AssertionError naming `what` after `timeout` seconds, with

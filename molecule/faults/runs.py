@@ -131,6 +131,12 @@ def kill_mid_interval(c: Cluster, node: str, unit: str, at_least: int, since: fl
 
 
 WORLD_STEP = re.compile(r"rank \d+/(\d+)\] step (\d+)/")  # a step line's world size and step
+def world_steps(lines: list[tuple[float, str]], after: float) -> list[tuple[float, int, int]]:
+    """(time, world size, step) of the master's step lines after `after`."""
+    return [(t, int(hit.group(1)), int(hit.group(2))) for t, msg in lines
+            if t >= after and (hit := WORLD_STEP.search(msg))]
+
+
 # the resume line at the same layout ("resumed from checkpoint step N (...)") and at another
 # ("resumed step N, written by 3 ranks ..., re-sharded to 2 ranks")
 RESUMED = r"resumed (?:from checkpoint )?step \d+"

@@ -11,13 +11,12 @@ checkpoint. Other settings are refused, naming the flags that differ.
 from __future__ import annotations
 
 import re
-import subprocess
 import time
 from collections.abc import Iterator
 
 import pytest
-from nodes import Cluster, first, log, show_train_failure, wait_for
-from runs import RESUMED, WORLD_STEP, Run, clean_run, refused, run_state, wait_step
+from nodes import Cluster, first, log, podman, show_train_failure, wait_for
+from runs import RESUMED, Run, clean_run, refused, run_state, wait_step, world_steps
 
 CASE = "absent-start"
 pytestmark = pytest.mark.incremental  # one run throughout
@@ -26,14 +25,9 @@ ITERATIONS = 5000  # never reached: the case ends the run once the node has join
 # (two nodes of a fast machine) train.yml, status.yml, the node's boot and train.yml again take ~1,300 steps
 
 
-def podman(*args: str) -> None:
-    subprocess.run(["podman", *args], check=True, capture_output=True, timeout=120)
-
-
 def worlds(c: Cluster, run: Run, since: float) -> list[tuple[int, int]]:
     """(world size, step) of the master's step lines since `since`."""
-    return [(int(hit.group(1)), int(hit.group(2))) for _, msg in c.journal(c.master, run.unit, since)
-            if (hit := WORLD_STEP.search(msg))]
+    return [(world, step) for _, world, step in world_steps(c.journal(c.master, run.unit, since), since)]
 
 
 @pytest.fixture(scope="module")

@@ -16,17 +16,15 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pytest
-from nodes import Cluster, first, log, show_train_failure, steps, wait_for
+from nodes import Cluster, first, log, podman, show_train_failure, steps, wait_for
 from runs import (
     CHECKPOINT_EVERY,
     RESUMED,
-    WORLD_STEP,
     Run,
     check_resume,
     clean_run,
@@ -36,6 +34,7 @@ from runs import (
     wait_active,
     wait_mid_interval,
     wait_step,
+    world_steps,
 )
 
 CASE = "node-loss"
@@ -172,16 +171,6 @@ PEER_TIMEOUT = 30  # the trainer's --peer-timeout (its default): a silent node i
 SLEEP_DROPIN = "/run/systemd/system/systemd-suspend.service.d/faults-test.conf"
 WAKE_FILE = "/run/faults-test-wake"
 ASLEEP_FILE = "/run/faults-test-asleep"  # what `systemctl is-active <trainer>` said as the sleep began
-
-
-def world_steps(lines: list[tuple[float, str]], after: float) -> list[tuple[float, int, int]]:
-    """(time, world size, step) of the master's step lines after `after`."""
-    return [(t, int(hit.group(1)), int(hit.group(2))) for t, msg in lines
-            if t >= after and (hit := WORLD_STEP.search(msg))]
-
-
-def podman(*args: str) -> None:
-    subprocess.run(["podman", *args], check=True, capture_output=True, timeout=120)
 
 
 def shut_down(c: Cluster, node: str, run: Run) -> None:
