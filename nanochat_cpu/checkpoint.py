@@ -17,6 +17,7 @@ keeps besides tensors).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import io
 import json
 import os
@@ -31,6 +32,7 @@ import torch.distributed as dist
 
 from . import checkpoint_files
 from .checkpoint_files import (
+    bad_files,
     checkpoint_root,
     complete_steps,
     fsync_dir,
@@ -38,6 +40,7 @@ from .checkpoint_files import (
     load_model_state,
     load_rank_state,
     mark_complete,
+    marker_run_id,
     missing_files,
     prune,
     read_marker,
@@ -49,6 +52,7 @@ from .data import row_group_pairs
 from .dataloader import carry_over_position, packing_mismatch
 from .dist import EXIT_CONFIG, DistEnv, Watchdog, fail, log
 from .optim import merge_optimizer_states
+from .run_identity import START_AFRESH, claim, new_run_id, set_aside_others
 from .run_state import SAVED_KEY, RunState
 from .sync_diloco import merge_outer_states
 
@@ -94,14 +98,14 @@ def write_checkpoint(env: DistEnv, disks: Disks, snap: Snapshot, watchdog: Watch
     # every disk gets every rank's state: a node that is wiped, added or alone can still resume
     rank_files, crossed = gather_states(env, disks, snap.rank_state, watchdog, step)
     snap.rank_state = b""
-    error = None
+    error, digests = None, {}
     stalled = (f"Fix: look at the disk under {disks.out_dir} on {env.host} (`dmesg`, its mount); the unit restarts "
                f"and resumes from the newest sealed checkpoint")
     if disks.writer(env.rank):
         try:
             with watchdog.disk(f"writing checkpoint step {step} to {step_dir(disks.out_dir, step)}", step,
                                stalled) as progress:
-                write_step_files(disks.out_dir, step, snap.model_state, rank_files, progress)
+                digests = write_step_files(disks.out_dir, step, snap.model_state, rank_files, progress)
         except (OSError, RuntimeError) as exc:  # torch.save reports a failed write as RuntimeError
             done = complete_steps(disks.out_dir)
             error = (f"cannot write checkpoint step {step} under {disks.out_dir}: {type(exc).__name__}: {exc}. "
@@ -117,7 +121,7 @@ def write_checkpoint(env: DistEnv, disks: Disks, snap: Snapshot, watchdog: Watch
                     "tokenizer_dir": snap.tokenizer_dir}
         with watchdog.disk(f"sealing checkpoint step {step} in {step_dir(disks.out_dir, step)}", step, stalled):
             mark_complete(disks.out_dir, step, {**disks.layout(env.hosts or [env.host]), **sampling,
-                                                 **snap.state.marker_fields()}, disks.keep)
+                                                 **snap.state.marker_fields()}, digests, disks.keep)
     took = time.perf_counter() - t0
     log(env, f"checkpoint step {step} saved to {step_dir(disks.out_dir, step)} in {took:.2f}s{crossed}{how}")
     return took
@@ -128,9 +132,6 @@ def save_checkpoint(env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, load
     """A checkpoint written while every rank waits for it; returns the seconds it took."""
     snap = take_snapshot(env, disks, model, opt, loader, step, state, tokenizer_dir, False)
     return write_checkpoint(env, disks, snap, watchdog)
-
-
-START_AFRESH = "start afresh with another --run-name or --out-dir"
 
 
 def tokenizer_refusal(tokenizer_dir: str, where: str, saved: RunState, tokenizer_sha: str,
@@ -144,18 +145,21 @@ def tokenizer_refusal(tokenizer_dir: str, where: str, saved: RunState, tokenizer
             f"run's original tokenizer again (site.yml), or {START_AFRESH}")
 
 
-def survey(env: DistEnv, disks: Disks, watchdog: Watchdog) -> tuple[list[dict[int, dict]], list[dict[int, list]]]:
+def survey(env: DistEnv, disks: Disks, watchdog: Watchdog) -> tuple[list[dict[int, dict]], list[dict[int, tuple]], str]:
     """Every rank's complete checkpoints on its disk ({step: its COMPLETE marker}) and its sealed
-    ones that lack files ({step: the missing names}: deleted or lost since they were sealed), by rank."""
+    ones that lack files ({step: (the missing names, the run that sealed it)}: deleted or lost since
+    they were sealed), by rank; and a new run id drawn by rank 0, for a run whose disks hold none."""
     markers = {s: read_marker(disks.out_dir, s) for s in list_steps(disks.out_dir)}
     mine = {s: marker for s, marker in markers.items() if marker is not None}  # each marker read once
-    broken = {s: lacking for s in markers if s not in mine and (lacking := missing_files(disks.out_dir, s))}
+    broken = {s: (lacking, marker_run_id(disks.out_dir, s)) for s in markers
+              if s not in mine and (lacking := missing_files(disks.out_dir, s))}
+    drawn = new_run_id() if env.rank == 0 else ""
     if not env.distributed:
-        return [mine], [broken]
+        return [mine], [broken], drawn
     everyone: list = [None] * env.world_size
     with watchdog.phase("all_gather checkpoint steps", 0):
-        dist.all_gather_object(everyone, (mine, broken), group=disks.group)
-    return [complete for complete, _ in everyone], [lacking for _, lacking in everyone]
+        dist.all_gather_object(everyone, (mine, broken, drawn), group=disks.group)
+    return [complete for complete, _, _ in everyone], [lacking for _, lacking, _ in everyone], everyone[0][2]
 
 
 def holdings(env: DistEnv, everyone: list[dict[int, dict]]) -> str:
@@ -233,7 +237,8 @@ def restore_missing(env: DistEnv, disks: Disks, step: int, everyone: list[dict[i
             got = send_bytes(env, disks, data, source, n, watchdog, f"checkpoint file {name}")
             if got is not None and problem is None:
                 size += len(got)
-                problem = write_restored_file(disks.out_dir, step, name, got, env, watchdog)
+                problem = (arrived_other_bytes(step, name, got, marker, env)
+                           or write_restored_file(disks.out_dir, step, name, got, env, watchdog))
     if env.rank in needy and problem is None:
         problem = write_restored_file(disks.out_dir, step, "COMPLETE", json.dumps(marker).encode(), env, watchdog)
         fsync_dir(checkpoint_root(disks.out_dir))
@@ -241,6 +246,15 @@ def restore_missing(env: DistEnv, disks: Disks, step: int, everyone: list[dict[i
         log(env, f"checkpoint step {step} was missing on this disk: restored from rank {source}@"
                  f"{env.hosts[source]} ({size / 2**20:.0f} MiB in {time.perf_counter() - t0:.1f}s)")
     fail_together(env, disks, watchdog, "checkpoint restore", 0, problem)
+
+
+def arrived_other_bytes(step: int, name: str, got: bytes | bytearray, marker: dict, env: DistEnv) -> str | None:
+    """Why a restored file must not be written: its bytes are not those its marker sealed."""
+    sealed = (marker.get("sha256") or {}).get(name)
+    if sealed is None or hashlib.sha256(got).hexdigest() == sealed:
+        return None
+    return (f"checkpoint step {step}'s {name} arrived on {env.host} with other bytes than the sha256 sealed with it: "
+            f"the link or the sending disk altered it. Fix: look at both hosts (`dmesg`), then start the run again")
 
 
 def write_restored_file(out_dir: str, step: int, name: str, data: bytes | bytearray, env: DistEnv,
@@ -283,11 +297,11 @@ def ranks_by_node(node_of_rank: list[int]) -> list[list[int]]:
 
 
 def load_states(env: DistEnv, disks: Disks, step: int, marker: dict, local_steps: bool, strategy: str,
-                data_dir: str) -> tuple[dict, RunState, dict | None, str]:
+                data_dir: str | None) -> tuple[dict, RunState, dict | None, str]:
     """This rank's optimizer state and RNG, the run state, the loader position from checkpoint `step`, and how it
     was laid out. The same layout, stepped the same way, loads the rank's own file as it was saved
     (the resumed run repeats the uninterrupted one exactly); another merges every saved rank's state
-    and takes its part."""
+    and takes its part. `data_dir` None: the data changed, no position is carried over."""
     where = step_dir(disks.out_dir, step)
     now = disks.layout(env.hosts or [env.host])
     wrote = f"written by {marker.get('world_size', 'this layout of')} ranks on hosts " \
@@ -300,7 +314,8 @@ def load_states(env: DistEnv, disks: Disks, step: int, marker: dict, local_steps
         run_state = RunState.of_rank_file(state)
         same_kind = run_state.local_steps == local_steps
         if "world_size" not in marker or (same_kind and state["optimizer"].get("strategy", strategy) == strategy):
-            return state, run_state, state["loader"], f"resumed from checkpoint step {step} ({where}), {wrote}"
+            loader = state["loader"] if data_dir is not None else None
+            return state, run_state, loader, f"resumed from checkpoint step {step} ({where}), {wrote}"
     saved = [load_rank_state(disks.out_dir, step, r) for r in range(marker["world_size"])]
     state = dict(saved[min(env.rank, len(saved) - 1)])
     # the work split is the ranks' own: kept where the same ranks on the same hosts merge only to
@@ -323,8 +338,8 @@ def load_states(env: DistEnv, disks: Disks, step: int, marker: dict, local_steps
         stepped = old[index] if index < len(old) else old[0]
         run_state.outer = merge_outer_states([RunState.of_rank_file(saved[ranks[0]]).outer for ranks in old])
     state["optimizer"] = merge_optimizer_states([saved[r]["optimizer"] for r in stepped])
-    loader = carry_over_position([s["loader"] for s in saved], env.rank, env.world_size,
-                                 len(row_group_pairs(data_dir, "train")))
+    loader = None if data_dir is None else carry_over_position([s["loader"] for s in saved], env.rank,
+                                                               env.world_size, len(row_group_pairs(data_dir, "train")))
     return state, run_state, loader, f"resumed step {step}, {wrote}, re-sharded to {env.world_size} ranks"
 
 
@@ -339,6 +354,20 @@ class ResumeTerms:
     depth: int
     packing: str
     data_dir: str
+    data_sha: str  # the manifest's sha256: what checkpoints record of the data
+    data_changed: bool  # --data-changed: a checkpoint of other data resumes, its loader position dropped
+
+
+def data_refusal(where: str, marker: dict, terms: ResumeTerms) -> str | None:
+    """Why the checkpoint at `where` (its marker) must not be resumed on this data."""
+    sealed = marker.get("data_sha256")
+    if sealed in (None, terms.data_sha) or terms.data_changed:
+        return None
+    return (f"checkpoint {where} was trained on other data (manifest sha256 {sealed[:16]}) than --data-dir="
+            f"{terms.data_dir} holds now (manifest sha256 {terms.data_sha[:16]}): its loader position would point "
+            f"into other rows. Fix: push the run's dataset again (site.yml), or go on with the new data on purpose "
+            f"with --data-changed (train.yml: -e train_extra_args=--data-changed), which starts the loader at the "
+            f"new data's beginning; or {START_AFRESH}")
 
 
 def load_into(env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, step: int, marker: dict, local_steps: bool,
@@ -347,9 +376,13 @@ def load_into(env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, step: int,
     position; the run state; the line that says where it came from)."""
     where = step_dir(disks.out_dir, step)
     fix = f"resume from an older checkpoint by deleting {where} on every node, or {START_AFRESH}"
+    refusal = data_refusal(where, marker, terms)
+    if refusal:
+        return refusal, None, RunState(), ""
+    same_data = marker.get("data_sha256") in (None, terms.data_sha)
     try:
         rank_state, saved, loader_state, said = load_states(env, disks, step, marker, local_steps, opt.sync.name,
-                                                            terms.data_dir)
+                                                            terms.data_dir if same_data else None)
         model_state = load_model_state(disks.out_dir, step, env.device)
     except Exception as exc:  # noqa: BLE001 - unreadable or unfitting files: name them instead of a traceback
         return f"checkpoint {where} cannot be resumed ({type(exc).__name__}: {exc}); {fix}", None, RunState(), ""
@@ -369,16 +402,64 @@ def load_into(env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, step: int,
     except ValueError as exc:
         return f"checkpoint {where}: {exc}", None, RunState(), ""
     torch.set_rng_state(rank_state["rng"])
+    if not same_data:
+        said += (f"; onto other data (--data-changed: manifest sha256 {marker['data_sha256'][:16]} then, "
+                 f"{terms.data_sha[:16]} now): the loader starts the new data at its beginning")
     return None, loader_state, saved, said
 
 
-def find_resume_step(resume: str, env: DistEnv, disks: Disks,
-                     watchdog: Watchdog) -> tuple[int | None, list[dict[int, dict]]]:
-    """The newest step some disk holds whole (None: a fresh run) and every rank's checkpoints; the
+def find_resume_step(resume: str, run_id: str, env: DistEnv, disks: Disks,
+                     watchdog: Watchdog) -> tuple[tuple[int | None, list[dict[int, dict]]], str]:
+    """The newest step of this run some disk holds whole, its bytes checked (None: a fresh run), and
+    every rank's checkpoints of this run; and the run's id (`run_id`: --run-id, or '' to take the
+    checkpoints' or a new one). Other runs' checkpoints are set aside first (run_identity.py). The
     trainer needs the step before it builds the optimizer (synchronous, or local steps past the
     warm-up). `resume`: --resume."""
-    everyone, broken = survey(env, disks, watchdog)
-    return choose_resume_step(resume, disks.out_dir, env, everyone, broken), everyone
+    everyone, broken, drawn = survey(env, disks, watchdog)
+    if resume == "never":  # refuses any checkpoint, whoever wrote it
+        choose_resume_step(resume, disks.out_dir, env, everyone, [{s: names for s, (names, _) in lost.items()}
+                                                                 for lost in broken])
+    claimed = claim(run_id, drawn, env, disks.out_dir, everyone, broken)
+    set_aside_others(env, disks, claimed, watchdog)
+    while True:
+        step = choose_resume_step(resume, disks.out_dir, env, claimed.everyone, claimed.broken)
+        if step is None or check_bytes(env, disks, step, claimed.everyone, claimed.broken, watchdog):
+            return (step, claimed.everyone), claimed.run_id
+
+
+def check_bytes(env: DistEnv, disks: Disks, step: int, everyone: list[dict[int, dict]],
+                broken: list[dict[int, list]], watchdog: Watchdog) -> bool:
+    """Each disk's writer checks checkpoint `step`'s files against the sha256 its marker recorded. A
+    disk whose copy differs no longer holds it (restore_missing brings it a good one); with no good
+    copy anywhere the step is lost on every disk (`broken`) and an older one is chosen. Returns
+    whether some disk holds it good; collective."""
+    bad = None
+    if disks.writer(env.rank) and step in everyone[env.rank]:
+        where, fix = step_dir(disks.out_dir, step), f"Fix: look at the disk under {disks.out_dir} on {env.host}"
+        with watchdog.disk(f"checking checkpoint step {step}'s bytes in {where}", 0, f"{fix} (`dmesg`, its mount)",
+                           ) as progress:
+            bad = bad_files(disks.out_dir, step, everyone[env.rank][step], progress)
+    found = [bad]
+    if env.distributed:
+        found = [None] * env.world_size
+        with watchdog.phase("all_gather checkpoint checks", 0):
+            dist.all_gather_object(found, bad, group=disks.group)
+    hosts = env.hosts or [env.host]
+    said = {hosts[w]: found[w] for w in disks.writers if found[w]}
+    if not said:
+        return True
+    for rank in range(len(everyone)):
+        names = found[disks.disk_of_rank[rank]]
+        if names:
+            everyone[rank].pop(step, None)
+            broken[rank][step] = [f"{name} (bytes other than its sha256)" for name in names]
+    good = any(step in steps for steps in everyone)
+    if env.master:
+        log(env, f"WARNING: checkpoint step {step}: " + "; ".join(f"{host}'s copy of {', '.join(names)}"
+                                                                 for host, names in said.items())
+                 + " differ from the sha256 sealed with them (a failing disk, or a file changed since): "
+                 + ("those disks get a good copy from one that holds it" if good else "no disk holds a good copy"))
+    return good
 
 
 def load_checkpoint(env: DistEnv, disks: Disks, model: GPT, opt: MuonAdamW, step: int,

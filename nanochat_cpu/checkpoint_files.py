@@ -7,7 +7,9 @@ Layout under `<out_dir>/checkpoints/step_000100/`, on every node's disk:
                             them, on every disk)
 - `COMPLETE`                written last, once every disk's write succeeded: the checkpoint is valid
                             only when this marker exists and lists the files present; it names the
-                            world that wrote it (world size, every rank's host and launcher), and the
+                            run that wrote it (run_identity.py) and the world (world size, every
+                            rank's host and launcher), the sha256 of every file (taken as it was
+                            written, checked on resume: torch's zip reader checks no CRC), and the
                             model's shape and tokenizer, so that `model.pt` and it alone are enough
                             to sample from the model anywhere (sample.py)
 
@@ -20,6 +22,7 @@ Old checkpoints are deleted only after a newer one is complete, and never one ne
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import re
@@ -54,10 +57,12 @@ class _ToDisk:
     after each: the page cache would otherwise take a multi-GB checkpoint at once and leave all of
     its time to one fsync, so a slow disk and one that stopped answering would look alike. Write
     errors are kept: torch.save turns a failed write (ENOSPC, EIO) into 'enforce fail ...
-    unexpected pos', and the reason would be lost."""
+    unexpected pos', and the reason would be lost. The bytes are hashed on their way (torch.save
+    writes its zip front to back): the marker's sha256 costs no second read."""
 
     def __init__(self, f, progress: Callable[[], None]):
         self.f, self.progress, self.error, self.unsynced = f, progress, None, 0
+        self.sha = hashlib.sha256()
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")  # torch.save hands a tensor's whole storage in one call
@@ -66,6 +71,7 @@ class _ToDisk:
             while done < len(view):
                 piece = view[done: done + SYNC_BYTES - self.unsynced]
                 self.f.write(piece)
+                self.sha.update(piece)
                 done += len(piece)
                 self.unsynced += len(piece)
                 if self.unsynced == SYNC_BYTES:
@@ -85,7 +91,8 @@ class _ToDisk:
         return self.f.fileno()
 
 
-def atomic_torch_save(obj, path: str, progress: Callable[[], None] = no_progress) -> None:
+def atomic_torch_save(obj, path: str, progress: Callable[[], None] = no_progress) -> str:
+    """`obj` saved to `path` atomically; returns the file's sha256."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
@@ -99,6 +106,7 @@ def atomic_torch_save(obj, path: str, progress: Callable[[], None] = no_progress
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        return out.sha.hexdigest()
     except BaseException:
         # disk full: give the space of the partial file back (a SIGKILL leaves it; prune removes it)
         with contextlib.suppress(OSError):
@@ -106,14 +114,17 @@ def atomic_torch_save(obj, path: str, progress: Callable[[], None] = no_progress
         raise
 
 
-def atomic_write_bytes(path: str, data: bytes | bytearray, progress: Callable[[], None] = no_progress) -> None:
+def atomic_write_bytes(path: str, data: bytes | bytearray, progress: Callable[[], None] = no_progress) -> str:
+    """`data` written to `path` atomically; returns its sha256."""
     tmp = f"{path}.tmp.{os.getpid()}"
     try:
         with open(tmp, "wb") as f:
-            _ToDisk(f, progress).write(data)
+            out = _ToDisk(f, progress)
+            out.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        return out.sha.hexdigest()
     except BaseException:
         with contextlib.suppress(OSError):  # as atomic_torch_save: a full disk gets its space back
             os.unlink(tmp)
@@ -134,29 +145,33 @@ def fsync_dir(path: str) -> None:
 
 
 def write_step_files(out_dir: str, step: int, model_state: dict, rank_files: list[bytes | bytearray],
-                     progress: Callable[[], None] = no_progress) -> None:
+                     progress: Callable[[], None] = no_progress) -> dict[str, str]:
     """Phase 1, once per disk: the model and every rank's state (its torch.save bytes, as it sent
     them: written as they are, each dropped once on disk), so this disk alone can resume the run
-    at any layout. The caller learns whether every disk's write succeeded, then seals."""
+    at any layout. Returns each file's sha256. The caller learns whether every disk's write
+    succeeded, then seals."""
     d = step_dir(out_dir, step)
-    if os.path.isdir(d):  # an unsealed wreck of an earlier attempt at this step: nothing of it is kept
+    if os.path.isdir(d):  # an unsealed wreck of an earlier attempt at this step (another run's were set aside)
         shutil.rmtree(d)
     os.makedirs(d)
-    atomic_torch_save(model_state, os.path.join(d, "model.pt"), progress)
+    digests = {"model.pt": atomic_torch_save(model_state, os.path.join(d, "model.pt"), progress)}
     for r in range(len(rank_files)):
-        atomic_write_bytes(os.path.join(d, f"rank{r}.pt"), rank_files[r], progress)
+        digests[f"rank{r}.pt"] = atomic_write_bytes(os.path.join(d, f"rank{r}.pt"), rank_files[r], progress)
         rank_files[r] = b""
         progress()
+    return digests
 
 
-def mark_complete(out_dir: str, step: int, layout: dict, keep: int) -> None:
-    """Phase 2, after every disk's write succeeded: seal the checkpoint, make it durable, prune."""
+def mark_complete(out_dir: str, step: int, layout: dict, digests: dict[str, str], keep: int) -> None:
+    """Phase 2, after every disk's write succeeded: seal the checkpoint with its files' sha256
+    (`digests`: write_step_files'), make it durable, prune."""
     d = step_dir(out_dir, step)
     files = ["model.pt"] + [f"rank{r}.pt" for r in range(layout["world_size"])]
     missing = [f for f in files if not os.path.exists(os.path.join(d, f))]
     if missing:
         raise RuntimeError(f"checkpoint {d} is missing {missing} after the barrier")
-    atomic_write_text(os.path.join(d, "COMPLETE"), json.dumps({"step": step, "files": files, **layout}))
+    atomic_write_text(os.path.join(d, "COMPLETE"), json.dumps({"step": step, "files": files, **layout,
+                                                               "sha256": digests}))
     fsync_dir(d)
     fsync_dir(checkpoint_root(out_dir))
     prune(out_dir, keep, sealed=step)
@@ -192,6 +207,62 @@ def missing_files(out_dir: str, step: int) -> list[str] | None:
         return [name for name in files if not os.path.exists(os.path.join(d, name))]
     except (OSError, ValueError, KeyError, TypeError):
         return ["COMPLETE (unreadable)"]
+
+
+def marker_run_id(out_dir: str, step: int) -> str | None:
+    """The run a sealed step's marker names; None for one sealed before runs had ids, or unreadable."""
+    try:
+        with open(os.path.join(step_dir(out_dir, step), "COMPLETE")) as f:
+            run_id = json.load(f).get("run_id")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return run_id if isinstance(run_id, str) else None
+
+
+READ_BYTES = 8 << 20  # a checked file is read in pieces this size: each one is progress
+
+
+def sha256_of(path: str, progress: Callable[[], None] = no_progress) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while piece := f.read(READ_BYTES):
+            digest.update(piece)
+            progress()
+    return digest.hexdigest()
+
+
+def bad_files(out_dir: str, step: int, marker: dict, progress: Callable[[], None] = no_progress) -> list[str]:
+    """The files of a sealed step whose bytes differ from the sha256 its marker recorded (a flipped
+    bit, a file cut short or replaced since), or that cannot be read (EIO); [] for a marker sealed
+    before they were recorded."""
+    d, recorded, bad = step_dir(out_dir, step), marker.get("sha256") or {}, []
+    for name, digest in recorded.items():
+        try:
+            same = sha256_of(os.path.join(d, name), progress) == digest
+        except OSError:
+            same = False
+        if not same:
+            bad.append(name)
+    return bad
+
+
+OTHER_RUNS = "other-runs"  # under checkpoints/: another run's checkpoints, set aside where no run looks
+
+
+def set_aside(out_dir: str, step: int, run_id: str) -> str:
+    """Move another run's step out of this run's way, to checkpoints/other-runs/<its id>/ (never
+    over something there already); returns where it went."""
+    root = os.path.join(checkpoint_root(out_dir), OTHER_RUNS, run_id)
+    os.makedirs(root, exist_ok=True)
+    name, n = os.path.basename(step_dir(out_dir, step)), 1
+    dest = os.path.join(root, name)
+    while os.path.lexists(dest):
+        n += 1
+        dest = os.path.join(root, f"{name}.{n}")
+    os.rename(step_dir(out_dir, step), dest)
+    fsync_dir(root)
+    fsync_dir(checkpoint_root(out_dir))
+    return dest
 
 
 def list_steps(out_dir: str) -> list[int]:

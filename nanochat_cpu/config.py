@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import shutil
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,6 +33,8 @@ PER_HOST_FIELDS = frozenset(
 # quality needs
 SYNC_WARMUP_RATIO = 0.05
 
+RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # what --run-id may be: a marker's id, a file name
+
 
 @dataclass
 class TrainConfig:
@@ -46,6 +49,9 @@ class TrainConfig:
     out_dir: str = field(default="runs", metadata={"help": "checkpoints and the local MLflow store"})
     run_name: str = field(default="base", metadata={"run_example": None,
                                                     "help": "names the checkpoint dir and the MLflow run"})
+    run_id: str = field(default="", metadata={"help": "this run's identity, kept in every checkpoint: a resume takes "
+                                                       "only the checkpoints of this id (train.yml passes the run's "
+                                                       "own); empty = the one the checkpoints hold, or a new one"})
     tracking_uri: str = field(
         default="", metadata={"help": "MLflow tracking URI; empty = sqlite store under --out-dir; 'none' disables"}
     )
@@ -170,6 +176,9 @@ class TrainConfig:
         default="auto", metadata={"run_example": "auto",
                                   "choices": ("auto", "never"), "help": "resume from the latest checkpoint"}
     )
+    data_changed: bool = field(default=False, metadata={"help": "resume onto a dataset whose manifest differs from "
+                                                                "the checkpoint's: the loader starts the new "
+                                                                "data from its beginning"})
     checksum_every: int = field(default=50, metadata={"help": "steps between cross-rank parameter checksums"})
     collective_timeout: float = field(
         default=600.0, metadata={"help": "seconds a rank may wait in one collective before it exits"}
@@ -306,6 +315,9 @@ def validate(cfg: TrainConfig, world_size: int, elastic: bool = False) -> None:
     for name in ("checkpoint_every", "checksum_every"):  # a run is always checkpointed at its end
         if getattr(cfg, name) < 0:
             raise flag_problem(name, getattr(cfg, name), "must be >= 0")
+    if cfg.run_id and not RUN_ID.fullmatch(cfg.run_id):
+        raise flag_problem("run_id", cfg.run_id, "must be 1-64 letters, digits, '_', '.' or '-' (the id a "
+                                                 "checkpoint's marker names)")
     for f in dataclasses.fields(cfg):  # nan/inf pass every comparison below: reject them first
         value = getattr(cfg, f.name)
         if isinstance(value, float) and not math.isfinite(value):

@@ -18,6 +18,7 @@ twice or skipping one in an epoch (the buffered documents dealt out to the new r
 
 from __future__ import annotations
 
+import contextlib
 from bisect import bisect_left, bisect_right
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,9 @@ import torch
 from .data import read_texts, row_group_pairs
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+    from contextlib import AbstractContextManager
+
     from .tokenizer import Tokenizer
 
 PACKINGS = ("bestfit", "stream")
@@ -151,6 +155,10 @@ class TokenLoader:
 
     `placements` says what the last batch holds: per row, (DocRef, tokens taken, document length)
     for each document in it; a crop is an entry whose tokens taken are fewer than its length.
+
+    `reading` wraps every read of a row group (given what is read): the trainer's watchdog bounds
+    it, so a read that never returns (a dying disk, a hung network mount) ends the rank naming the
+    file instead of leaving it, and every rank waiting for it, hung.
     """
 
     def __init__(
@@ -167,6 +175,7 @@ class TokenLoader:
         packing: str = "bestfit",
         buffer_docs: int = BUFFER_DOCS,
         num_threads: int | None = None,
+        reading: Callable[[str], AbstractContextManager] = lambda what: contextlib.nullcontext(),
     ) -> None:
         if batch_size < 1 or seq_len < 1:
             raise ValueError(f"batch_size and seq_len must be positive, got {batch_size}, {seq_len}")
@@ -184,6 +193,7 @@ class TokenLoader:
         self.packing = packing
         self.buffer_docs = buffer_docs
         self.num_threads = num_threads
+        self.reading = reading
         self.all_pairs = row_group_pairs(self.data_dir, split)
         self.pairs = self.all_pairs[rank::world_size]
         if not self.pairs:
@@ -313,7 +323,8 @@ class TokenLoader:
             if pair is None:
                 return None
             if self._docs_pair != pair:
-                texts = read_texts(self.data_dir, pair)
+                with self.reading(f"reading {self.data_dir / pair[0]} (row group {pair[1]})"):
+                    texts = read_texts(self.data_dir, pair)
                 bos = self.tokenizer.bos_id
                 self._docs = [[bos, *ids] for ids in self.tokenizer.encode_batch(texts, self.num_threads)]
                 self._docs_pair = pair

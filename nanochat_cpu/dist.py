@@ -275,10 +275,10 @@ class Watchdog:
 
     @contextlib.contextmanager
     def disk(self, what: str, step: int, fix: str):
-        """Local writes that may never return. Yields `progress`, to call whenever some bytes reached
-        the disk: the bound is on the time without any (a slow disk writing a big checkpoint is not
-        stuck), and past it `what` and `fix` are said and the rank exits. The writes' errors are the
-        caller's (a full disk is reported as such, not as a stall)."""
+        """Local writes (or reads: `step` -1) that may never return. Yields `progress`, to call
+        whenever some bytes reached the disk: the bound is on the time without any (a slow disk
+        writing a big checkpoint is not stuck), and past it `what` and `fix` are said and the rank
+        exits. The writes' errors are the caller's (a full disk is reported as such, not as a stall)."""
         with self._marked(what, step, fix):
             yield self._progress
 
@@ -312,9 +312,10 @@ class Watchdog:
                 continue
             what, step, t0, fix = current
             stuck = f"stuck {time.monotonic() - t0:.0f}s (bound {self.bound_s:.0f}s, --collective-timeout)"
-            if fix is not None:
-                fail(self.env, EXIT_COLLECTIVE, f"{stuck} {what} at step {step} on {self.env.host}: no byte "
-                                                f"reached the disk in that time, it does not answer. {fix}")
+            if fix is not None:  # a disk: a checkpoint's write (step >= 0), or a read of the data (step -1)
+                at, moved = (f" at step {step}", "reached the disk") if step >= 0 else ("", "came from the disk")
+                fail(self.env, EXIT_COLLECTIVE, f"{stuck} {what}{at} on {self.env.host}: no byte {moved} in that "
+                                                f"time, it does not answer. {fix}")
             fail(self.env, EXIT_COLLECTIVE,
                  f"{stuck} in collective '{what}' at step {step}; waiting on peers: {self.env.peers()}. "
                  f"A peer died or the network dropped. Exiting so the unit restarts and resumes.")

@@ -160,7 +160,7 @@ def run_input_problems(cfg, world_size: int, first_rank: int) -> list[str]:
     import torch
 
     from . import checkpoint, checkpoint_files
-    from .data import check_dataset, sha256_file
+    from .data import check_dataset, manifest_hash, sha256_file
     from .model import GPT, model_config_from
     from .run_state import RunState
     from .tokenizer import Tokenizer
@@ -174,9 +174,22 @@ def run_input_problems(cfg, world_size: int, first_rank: int) -> list[str]:
     if steps and cfg.resume == "never":  # the trainer would refuse it too: a fresh run would mix with them
         return problems + [f"--resume never, but {cfg.out_dir} holds this run's checkpoints (steps {steps}). Fix: "
                            f"a new run_name for a new run, or resume auto to go on with this one"]
+    if cfg.run_id:  # another run's checkpoints are set aside by the trainer, not judged (run_identity.py)
+        steps = [s for s in steps if checkpoint_files.marker_run_id(cfg.out_dir, s) in (None, cfg.run_id)]
     if not steps:
         return problems
     where = checkpoint_files.step_dir(cfg.out_dir, steps[-1])
+    sha = sha256_file(os.path.join(cfg.tokenizer_dir, "tokenizer.json"))
+    try:
+        data_sha = manifest_hash(cfg.data_dir)
+    except OSError:  # check_dataset named it
+        data_sha = None
+    if data_sha is not None:
+        terms = checkpoint.ResumeTerms(cfg.tokenizer_dir, sha, tok.vocab_size, cfg.depth, cfg.packing, cfg.data_dir,
+                                       data_sha, cfg.data_changed)
+        refusal = checkpoint.data_refusal(where, checkpoint_files.read_marker(cfg.out_dir, steps[-1]) or {}, terms)
+        if refusal:
+            return problems + [refusal]
     try:  # mmap: only the few small entries read are paged in
         # a checkpoint holds every rank of the world that wrote it (an older one only its node's)
         mine = os.path.join(where, f"rank{first_rank}.pt")
@@ -186,7 +199,6 @@ def run_input_problems(cfg, world_size: int, first_rank: int) -> list[str]:
     except Exception as exc:  # noqa: BLE001
         return problems + [f"checkpoint {where} is unreadable ({type(exc).__name__}: {exc}); delete it to resume "
                            f"from the one before"]
-    sha = sha256_file(os.path.join(cfg.tokenizer_dir, "tokenizer.json"))
     refusal = checkpoint.tokenizer_refusal(cfg.tokenizer_dir, where, RunState.of_rank_file(saved), sha,
                                            tok.vocab_size)
     if refusal:

@@ -7,11 +7,15 @@ difference stops every rank with one message naming the hosts, the file and both
 
 Shard contents are hashed for real (not just the manifest), so a shard modified after
 provisioning is caught too. Hashes are cached by (path, size, mtime) under the run's out dir
-so restarts of a run on large data do not re-read every shard.
+so restarts of a run on large data do not re-read every shard. A cache that cannot be read or
+parsed is computed again; a disk that cannot be read or written (EIO, ENOSPC, EROFS) is the
+fingerprint's `problem`, which stops every rank with exit 2 naming the host, the path and the
+error: a configuration to fix, not a crash for systemd to restart in a loop.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 from dataclasses import dataclass
@@ -51,6 +55,7 @@ class Fingerprint:
     files: dict[str, str]  # "data/<name>" or "tokenizer/tokenizer.json" -> sha256 ("missing" if absent)
     config: str
     versions: str
+    problem: str | None = None  # this host's disk failed it: nothing else here is to be compared
 
     def differences(self, other: Fingerprint) -> list[str]:
         out = []
@@ -66,24 +71,52 @@ class Fingerprint:
         return out
 
 
-def compute(host: str, data_dir: str, tokenizer_dir: str, config_hash: str, cache_path: str | None) -> Fingerprint:
-    cache: dict[str, dict] = {}
-    if cache_path and os.path.exists(cache_path):
-        with open(cache_path) as f:
+def read_cache(cache_path: str | None) -> dict[str, dict]:
+    """The hash cache; empty (every file hashed again) where there is none or it cannot be read."""
+    try:
+        with open(cache_path or "") as f:
             cache = json.load(f)
-    files = {}
-    for name in data_files(data_dir):
-        path = os.path.join(data_dir, name)
-        files[f"data/{name}"] = cached_sha256(path, cache) if os.path.exists(path) else "missing"
-    tok = os.path.join(tokenizer_dir, "tokenizer.json")
-    files["tokenizer/tokenizer.json"] = cached_sha256(tok, cache) if os.path.exists(tok) else "missing"
-    if cache_path:
-        os.makedirs(os.path.dirname(cache_path), exist_ok=True)
-        tmp = f"{cache_path}.tmp.{os.getpid()}"  # two local ranks of different nodes may share out_dir
+    except (OSError, ValueError):
+        return {}
+    return cache if isinstance(cache, dict) and all(isinstance(v, dict) for v in cache.values()) else {}
+
+
+def write_cache(cache_path: str, cache: dict[str, dict]) -> None:
+    os.makedirs(os.path.dirname(cache_path), exist_ok=True)
+    tmp = f"{cache_path}.tmp.{os.getpid()}"  # two local ranks of different nodes may share out_dir
+    try:
         with open(tmp, "w") as f:
             json.dump(cache, f)
         os.replace(tmp, cache_path)
+    except OSError:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+def disk_problem(host: str, doing: str, exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, "?")
+    return (f"{host}: cannot {doing} {exc.filename or ''}: {exc.strerror} ({name}). Fix: look at that disk on {host} "
+            f"(`df -h`, `dmesg`): free space, or remount it writable, then start the run again")
+
+
+def compute(host: str, data_dir: str, tokenizer_dir: str, config_hash: str, cache_path: str | None) -> Fingerprint:
+    cache = read_cache(cache_path)
     versions = f"nanochat_cpu {__version__}, torch {torch.__version__.split('+')[0]}"
+    files = {}
+    try:
+        for name in data_files(data_dir):
+            path = os.path.join(data_dir, name)
+            files[f"data/{name}"] = cached_sha256(path, cache) if os.path.exists(path) else "missing"
+        tok = os.path.join(tokenizer_dir, "tokenizer.json")
+        files["tokenizer/tokenizer.json"] = cached_sha256(tok, cache) if os.path.exists(tok) else "missing"
+    except OSError as exc:
+        return Fingerprint(host, {}, config_hash, versions, disk_problem(host, "read", exc))
+    if cache_path:
+        try:
+            write_cache(cache_path, cache)
+        except OSError as exc:
+            return Fingerprint(host, files, config_hash, versions, disk_problem(host, "write the hash cache", exc))
     return Fingerprint(host=host, files=files, config=config_hash, versions=versions)
 
 

@@ -1,7 +1,8 @@
 """What a run keeps in its checkpoints besides tensors: the run state, typed.
 
 Each rank's checkpoint file holds the optimizer's state, the loader's position and the RNG, and
-beside them the run's own facts: which tokenizer it trained with, its MLflow run, the work split
+beside them the run's own facts: its id (run_identity.py), which tokenizer and data it trained
+with, its MLflow run, the work split
 and whether it was checked, the compile choice, and with local steps the outer optimizer and the
 schedule auto chose. They are read back here and nowhere else: the rest of the trainer reads
 fields, so a renamed or missing key is found once, in this file.
@@ -10,8 +11,9 @@ On disk they stay a plain dict under the rank file's "extra" key, as every check
 before this type had them: a field an older checkpoint lacks takes its default, and a field this
 version no longer knows is dropped with the rest of that old state (nothing reads it).
 
-The COMPLETE marker carries a copy of the stepping facts (`marker_fields`): resume must know how
-the run steps before it builds the optimizer, and so before it reads any rank's file.
+The COMPLETE marker carries a copy of the run's id, its data and its stepping facts
+(`marker_fields`): resume must know whose checkpoint it is, on what data, and how the run steps
+before it builds the optimizer, and so before it reads any rank's file.
 """
 
 from __future__ import annotations
@@ -64,8 +66,10 @@ class SavedSchedule:
 
 @dataclass
 class RunState:
+    run_id: str | None = None  # None: a checkpoint from before runs had ids (taken as this run's)
     tokenizer_sha256: str | None = None  # None: a checkpoint from before it was kept (taken as this one)
     vocab_size: int | None = None
+    data_sha256: str | None = None  # the data manifest's sha256 (None: from before it was kept)
     mlflow_run_id: str | None = None
     rank_batch_sizes: list[int] | None = None  # each rank's rows per micro-step
     split_settled: bool = False  # whether the split was checked against the run's own steps
@@ -82,7 +86,8 @@ class RunState:
     # ---- to and from a checkpoint ---------------------------------------------------------------
 
     def to_saved(self) -> dict[str, Any]:
-        saved = {"mlflow_run_id": self.mlflow_run_id, "rank_batch_sizes": self.rank_batch_sizes,
+        saved = {"run_id": self.run_id, "data_sha256": self.data_sha256,
+                 "mlflow_run_id": self.mlflow_run_id, "rank_batch_sizes": self.rank_batch_sizes,
                  "split_settled": self.split_settled, "split_fixed_rows": self.split_fixed_rows,
                  "tokenizer_sha256": self.tokenizer_sha256, "vocab_size": self.vocab_size, "compile": self.compile}
         if self.auto_choice is not None:
@@ -112,8 +117,9 @@ class RunState:
     # ---- the COMPLETE marker's copy --------------------------------------------------------------
 
     def marker_fields(self) -> dict[str, Any]:
-        """What resume must know before it reads a file: how the run steps, and what auto chose."""
-        fields = {"local_steps": self.local_steps}
+        """What resume must know before it reads a file: whose it is, on what data, how the run
+        steps, and what auto chose."""
+        fields = {"run_id": self.run_id, "data_sha256": self.data_sha256, "local_steps": self.local_steps}
         if self.auto_choice is not None:
             fields["auto_choice"] = _without_none(self.auto_choice)
         return fields

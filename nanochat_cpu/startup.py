@@ -142,6 +142,9 @@ def agree_on_inputs(cfg: TrainConfig, env: DistEnv, watchdog: Watchdog) -> str:
         with watchdog.phase("all_gather fingerprint", 0):
             dist.all_gather_object(gathered, mine)
         prints = [p for p in gathered if p is not None]
+    disks = [p.problem for p in prints if p.problem]
+    if disks:  # every rank has every fingerprint: all of them stop here, none waits for another
+        fail(env, EXIT_CONFIG, "a disk failed before step 0: " + " | ".join(disks))
     problem = fingerprint.mismatch_report(prints)
     if problem:
         fail(env, EXIT_MISMATCH, problem)

@@ -32,6 +32,7 @@ from .checkpoint_files import step_dir
 from .checkpoint_transfer import Disks, find_disks
 from .compile_choice import CompileChoice
 from .config import NEVER, TrainConfig, grad_accum_steps, parse_config
+from .data import manifest_hash
 from .dataloader import TokenLoader
 from .dist import EXIT_CONFIG, EXIT_MISMATCH, EXIT_STOPPED, DistEnv, Watchdog, check_parameters_agree, fail, log
 from .local_steps import SteppingPlan
@@ -72,6 +73,13 @@ def muon_momentum(step: int) -> float:
 PACKING_SAID = {"bestfit": "best fit, each row from a document's start", "stream": "back to back, none cropped"}
 
 
+def data_reads(cfg: TrainConfig, env: DistEnv, watchdog: Watchdog):
+    """The loaders' reads of the shards, bounded by the watchdog like a checkpoint's writes."""
+    fix = (f"Fix: look at the disk under {cfg.data_dir} on {env.host} (`dmesg`, its mount); the unit restarts and "
+           f"resumes from the newest checkpoint")
+    return lambda what: watchdog.disk(what, -1, fix)
+
+
 # ---- evaluation ----------------------------------------------------------------------------------
 
 @torch.no_grad()
@@ -80,7 +88,7 @@ def evaluate_bpb(model: GPT, cfg: TrainConfig, env: DistEnv, tokenizer: Tokenize
     """Validation bits per byte: tokenizer-independent, so runs with other vocabularies compare."""
     model.eval()
     loader = TokenLoader(cfg.data_dir, tokenizer, "val", cfg.device_batch_size, cfg.max_seq_len,
-                         env.rank, env.world_size, packing=cfg.packing)
+                         env.rank, env.world_size, packing=cfg.packing, reading=data_reads(cfg, env, watchdog))
     per_batch = cfg.device_batch_size * cfg.max_seq_len * env.world_size
     batches = max(1, cfg.eval_tokens // per_batch)
     totals = torch.zeros(2, dtype=torch.float64, device=env.device)  # nats, bytes
@@ -218,6 +226,8 @@ class Training:
     fpt: int  # FLOPs per token
     peak: float  # the matmul peak MFU is measured against
     start_step: int
+    run_id: str  # the run's identity, kept in every checkpoint (run_identity.py)
+    data_sha: str  # the data manifest's sha256, kept in every checkpoint
     sizes: list[int]  # each rank's rows per micro-step
     accum: int  # micro-steps per step
     fixed_rows: float  # a micro-batch's fixed cost in rows
@@ -231,7 +241,7 @@ class Training:
 
 def resume_terms(cfg: TrainConfig, ranks: Ranks) -> checkpoint.ResumeTerms:
     return checkpoint.ResumeTerms(cfg.tokenizer_dir, ranks.tokenizer_sha, ranks.tokenizer.vocab_size, cfg.depth,
-                                  cfg.packing, cfg.data_dir)
+                                  cfg.packing, cfg.data_dir, manifest_hash(cfg.data_dir), cfg.data_changed)
 
 
 def build(cfg: TrainConfig, ranks: Ranks) -> Training:
@@ -242,14 +252,21 @@ def build(cfg: TrainConfig, ranks: Ranks) -> Training:
     plan = SteppingPlan.open(cfg, env, watchdog)
     # with local steps the wire is idle between outer syncs: checkpoints cross it then
     background = BackgroundCheckpoints(env, disks, watchdog, cfg.collective_timeout) if plan.nodes else None
-    found = checkpoint.find_resume_step(cfg.resume, env, disks, watchdog)
+    found, run_id = checkpoint.find_resume_step(cfg.resume, cfg.run_id, env, disks, watchdog)
     local_now = plan.resume(found)
     opt = setup_optimizer(cfg, env, model, ranks.muon_dtype, watchdog, plan.nodes if local_now else None)
     fpt = flops_per_token(model)
     if env.master:
         log_parameters(env, cfg, model, fpt)
-    start_step, loader_state, saved = checkpoint.resume(env, disks, model, opt, found, resume_terms(cfg, ranks),
-                                                        watchdog, local_steps=local_now)
+    terms = resume_terms(cfg, ranks)
+    start_step, loader_state, saved = checkpoint.resume(env, disks, model, opt, found, terms, watchdog,
+                                                        local_steps=local_now)
+    if env.master:
+        log(env, f"run {cfg.run_name}, id {run_id} ({'resumed' if start_step else 'new'}; every checkpoint keeps it: "
+                 f"a resume takes only this run's)")
+    if env.master and cfg.checkpoint_every == 0:
+        log(env, "WARNING: --checkpoint-every 0: no checkpoint before the run's end (a stop still writes one): a "
+                 "crash, a power cut or a lost node restarts the run from step 1")
 
     # ---- work split, data, tracking --------------------------------------------------------------
     ctx = autocast_for(env.device, ranks.ctx_dtype)
@@ -272,11 +289,12 @@ def build(cfg: TrainConfig, ranks: Ranks) -> Training:
     if resumed_choice and env.master:
         log(env, resumed_choice)
     loader = TokenLoader(cfg.data_dir, tokenizer, "train", sizes[env.rank], cfg.max_seq_len, env.rank,
-                         env.world_size, state=loader_state, packing=cfg.packing)
+                         env.world_size, state=loader_state, packing=cfg.packing,
+                         reading=data_reads(cfg, env, watchdog))
     peak = measure_matmul_peak(env.device, ranks.ctx_dtype)
     tracker = Tracker(cfg, env, saved.mlflow_run_id)
-    tracker.log_params({**dataclasses.asdict(cfg), "world_size": env.world_size, "flops_per_token": fpt,
-                        **{f"params_{k}": v for k, v in parameter_breakdown(model).items()}})
+    tracker.log_params({**dataclasses.asdict(cfg), "run_id": run_id, "world_size": env.world_size,
+                        "flops_per_token": fpt, **{f"params_{k}": v for k, v in parameter_breakdown(model).items()}})
     if env.master:
         log(env, f"matmul peak {peak / 1e9:.0f} GFLOP/s per rank ({ranks.ctx_dtype}); MFU is measured against it")
     plan.begin(model, opt, sizes, saved, start_step, local_now)
@@ -284,8 +302,8 @@ def build(cfg: TrainConfig, ranks: Ranks) -> Training:
                        resumed=start_step > 0)
     status.update(state="starting")
     return Training(cfg, ranks, model, opt, loader, tracker, plan, disks, background, compiling, status, ctx, fpt,
-                    peak,
-                    start_step, sizes, accum, fixed_rows, split, StopBudget(shutdown_budget_s()),
+                    peak, start_step, run_id, terms.data_sha, sizes, accum, fixed_rows, split,
+                    StopBudget(shutdown_budget_s()),
                     loss_scale=plan.loss_scale(sizes, accum))
 
 
@@ -409,9 +427,10 @@ def save(t: Training, step: int, final: bool) -> None:
     """A checkpoint at boundary `step`: in the background of the inner steps with local steps,
     unless it is the run's `final` one (the last step's, a stop's), which every rank waits for."""
     env = t.ranks.env
-    state = RunState(tokenizer_sha256=t.ranks.tokenizer_sha, vocab_size=t.ranks.tokenizer.vocab_size,
-                     mlflow_run_id=t.tracker.run_id, rank_batch_sizes=t.sizes, split_settled=t.split.settled,
-                     split_fixed_rows=t.fixed_rows, compile=t.compiling.state_dict())
+    state = RunState(run_id=t.run_id, tokenizer_sha256=t.ranks.tokenizer_sha,
+                     vocab_size=t.ranks.tokenizer.vocab_size, data_sha256=t.data_sha, mlflow_run_id=t.tracker.run_id,
+                     rank_batch_sizes=t.sizes, split_settled=t.split.settled, split_fixed_rows=t.fixed_rows,
+                     compile=t.compiling.state_dict())
     t.plan.save_into(state)
     if t.background is not None:  # one at a time: the last one's bytes go before this one is taken
         t.background.wait(step)
@@ -442,7 +461,7 @@ def start_local_steps(t: Training, step: int) -> None:
     cfg, env, watchdog = t.cfg, t.ranks.env, t.ranks.watchdog
     t.opt = None  # the synchronous optimizer's memory goes before the nodes' own is built
     t.opt = setup_optimizer(cfg, env, t.model, t.ranks.muon_dtype, watchdog, t.plan.nodes)
-    everyone, _ = checkpoint.survey(env, t.disks, watchdog)
+    everyone = checkpoint.survey(env, t.disks, watchdog)[0]
     _, saved, _ = checkpoint.load_checkpoint(env, t.disks, t.model, t.opt, step, everyone, resume_terms(cfg, t.ranks),
                                              watchdog, local_steps=True)
     log(env, f"synchronous warm-up done at step {step} (--sync-warmup-ratio {cfg.sync_warmup_ratio}): every node "

@@ -10,6 +10,7 @@ data drift after site.yml, network misconfiguration) are molecule/faults.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -196,6 +197,35 @@ def test_a_really_full_disk_is_named_not_reported_as_a_zip_error(tmp_path):
         assert torch.equal(torch.load(small / "model.pt")["w"], torch.arange(4))
     finally:
         subprocess.run(["umount", str(small)], check=True)
+
+@pytest.mark.skipif(os.getuid() != 0, reason="mounts a 1 MiB tmpfs")
+def test_a_full_disk_at_start_stops_the_run_once_naming_host_path_and_error(tiny_data_dir, tiny_tokenizer_dir,
+                                                                            tmp_path):
+    """The run directory's disk is full before step 0 (its hash cache cannot be written): every rank
+    exits 2, which the unit does not restart, naming the host, the file and ENOSPC; a corrupt hash
+    cache on a healthy disk is computed again."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "faults-test", str(small)], check=True)
+    try:
+        with contextlib.suppress(OSError), open(small / "filler", "wb") as f:
+            while True:
+                f.write(b"\0" * 65536)
+        proc = run_torchrun(2, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, small)))
+        said = proc.stdout + proc.stderr
+        assert proc.returncode == 2, said
+        assert re.search(rf"FATAL: a disk failed before step 0: {re.escape(socket.gethostname())}: cannot write the "
+                         rf"hash cache {re.escape(str(small))}/\S+: No space left on device \(ENOSPC\)", said), said
+        assert not trainer_traceback(said) and not losses(proc.stdout)
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / ".hash-cache.json").write_text('{"cut short')
+    proc = run_torchrun(1, train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, out, num_iterations=2)))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads((out / ".hash-cache.json").read_text())  # written again, whole
+
 
 def test_disk_full_on_one_node_stops_every_rank_naming_it(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
     """Rank 1's node runs out of space at step 8: both ranks exit 2 (no restart loop) naming rank 1,

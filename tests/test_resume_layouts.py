@@ -8,9 +8,11 @@ checkpoint, or every rank refuses with the fix, and never starts again from step
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ from nanochat_cpu import checkpoint_files
 from nanochat_cpu.dist import EXIT_CONFIG, EXIT_STOPPED
 from nanochat_cpu.stop import StopBudget, shutdown_budget_s
 from tests.conftest import TINY_VOCAB
+from tests.test_faults_trainer import tree_digest
 from tests.trainer_runs import (
     SLOW_CHECKPOINT_TRAIN,
     SMALL_ROUNDS,
@@ -193,8 +196,8 @@ def test_prune_keeps_what_it_sealed_and_never_touches_newer_checkpoints(tmp_path
     layout = {"world_size": 1, "hosts": ["h"], "node_of_rank": [0]}
 
     def seal(step: int, keep: int = 2, where: str = out) -> None:
-        checkpoint_files.write_step_files(where, step, {"w": step}, [b"rank 0's state"])
-        checkpoint_files.mark_complete(where, step, layout, keep=keep)
+        digests = checkpoint_files.write_step_files(where, step, {"w": step}, [b"rank 0's state"])
+        checkpoint_files.mark_complete(where, step, layout, digests, keep=keep)
 
     seal(40)
     (Path(checkpoint_files.step_dir(out, 50))).mkdir()  # an unsealed one, maybe being written
@@ -238,11 +241,51 @@ def test_local_steps_stop_mid_phase_then_go_on_with_a_node_more(tiny_data_dir, t
     assert f"outer step 2 at step {stop + 4:05d}:" in out  # the outer step count went on from the checkpoint
 
 
+def flip_a_byte(path: Path) -> None:
+    """One bit of a tensor's bytes in the middle of the file flipped: torch's zip reader checks no
+    CRC, so this loads silently as another number."""
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def test_bad_bytes_on_one_disk_are_restored_from_a_good_copy_and_the_run_repeats_exactly(tiny_data_dir,
+                                                                                       tiny_tokenizer_dir, tmp_path):
+    """A flipped bit in node 1's model.pt of step 8: its copy no longer counts, node 0's good one is
+    restored onto it, and the run computes exactly what the uninterrupted one did."""
+    run = tmp_path / "run"
+    whole = trained_to_step_8(tiny_data_dir, tiny_tokenizer_dir, run)
+    flip_a_byte(run / "node1" / "checkpoints" / "step_000008" / "model.pt")
+    results = run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2))
+    out = ok(results)
+    assert re.search(r"WARNING: checkpoint step 8: \S+'s copy of model\.pt differ from the sha256 sealed with them "
+                     r".*: those disks get a good copy", out), out
+    assert "checkpoint step 8 was missing on this disk: restored from rank 0@" in results[1][1], results[1][1]
+    assert "resumed from checkpoint step 8" in out, out
+    assert losses(out) == pytest.approx({s: whole[s] for s in range(9, 13)}, abs=1e-4)
+
+
+def test_bad_bytes_on_every_copy_go_back_to_the_step_before(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    run = tmp_path / "run"
+    whole = trained_to_step_8(tiny_data_dir, tiny_tokenizer_dir, run)
+    for r in range(2):
+        flip_a_byte(run / f"node{r}" / "checkpoints" / "step_000008" / "rank1.pt")
+    out = ok(run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2)))
+    assert "no disk holds a good copy" in out, out
+    assert re.search(r"checkpoints newer than step 4 were sealed and have since lost files on every disk \(step 8: "
+                     r"\S+ lacks rank1\.pt \(bytes other than its sha256\)\): resuming from step 4", out), out
+    assert losses(out) == pytest.approx({s: whole[s] for s in range(5, 13)}, abs=1e-4)
+
+
 def test_a_checkpoint_one_disk_cannot_read_stops_every_rank_naming_it(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
-    """Node 1's copy of step 4 is cut short after it was sealed (a failing disk): every rank exits 2
-    naming rank 1, instead of rank 0 timing out in the next collective and restarting in a loop."""
+    """Node 1's copy of step 4, sealed by a version that kept no sha256, is cut short after it was
+    sealed (a failing disk): every rank exits 2 naming rank 1, instead of rank 0 timing out in the
+    next collective and restarting in a loop."""
     run = tmp_path / "run"
     ok(run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, num_iterations=4)))
+    for r in range(2):
+        complete = run / f"node{r}" / "checkpoints" / "step_000004" / "COMPLETE"
+        complete.write_text(json.dumps({k: v for k, v in json.loads(complete.read_text()).items() if k != "sha256"}))
     bad = run / "node1" / "checkpoints" / "step_000004" / "rank1.pt"
     bad.write_bytes(bad.read_bytes()[:100])
     for code, out in run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, num_iterations=8)):
@@ -265,3 +308,80 @@ def test_an_older_versions_checkpoints_are_not_skipped_when_a_node_is_added(tiny
         assert code == EXIT_CONFIG, out
         assert "written by an older version" in out and "rank 2@" in out and "steps [4]" in out, out
         assert "step 00001" not in out
+
+
+# ---- whose checkpoints: the run's identity, and the data it trained on ---------------------------
+
+def run_id_of(out: Path, step: int) -> str:
+    return json.loads((Path(checkpoint_files.step_dir(str(out), step)) / "COMPLETE").read_text())["run_id"]
+
+
+def test_another_runs_checkpoint_on_one_disk_is_never_taken_over(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+    """Run B trains on two nodes to step 12; a checkpoint of an unrelated run A (another seed, the
+    same shape) at step 16 lies on node 1's disk, as on a laptop that kept an earlier cluster's run
+    of the same name. B started again without its id stops naming both runs and touches nothing;
+    given its id it resumes from its own step 12, and A's checkpoint is set aside, byte for byte."""
+    run_a, run = tmp_path / "a", tmp_path / "run"
+    ok(run_nodes([tiny_flags(tiny_data_dir, tiny_tokenizer_dir, run_a, seed=7, num_iterations=16,
+                             checkpoint_every=16, total_batch_size=768)]))
+    whole = losses(ok(run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2))))
+    stale = Path(checkpoint_files.step_dir(str(run / "node1"), 16))
+    shutil.copytree(checkpoint_files.step_dir(str(run_a), 16), stale)
+    a_id, b_id = run_id_of(run_a, 16), run_id_of(run / "node0", 12)
+    assert a_id != b_id and run_id_of(run / "node1", 12) == b_id
+    before = {r: tree_digest(run / f"node{r}") for r in range(2)}
+
+    for code, out in run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, num_iterations=20)):
+        assert code == EXIT_CONFIG, out
+        assert "holds checkpoints of 2 runs" in out and f"steps [16] of run {a_id}" in out, out
+        assert f"steps [4, 8, 12] of run {b_id}" in out and "--run-id <one of them>" in out, out
+        assert "step 00001" not in out and "step 00013" not in out
+    assert {r: tree_digest(run / f"node{r}") for r in range(2)} == before, "the stopped run changed a disk"
+
+    results = run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, num_iterations=20, run_id=b_id))
+    out = ok(results)
+    assert "resumed from checkpoint step 12" in out and f"id {b_id} (resumed" in out, out
+    assert sorted(losses(out)) == list(range(13, 21))
+    assert losses(out)[13] == pytest.approx(whole[12], rel=0.2)  # B's curve goes on, not A's
+    aside = run / "node1" / "checkpoints" / "other-runs" / a_id / "step_000016"
+    assert f"set aside, nothing deleted: step 16 of run {a_id} to {aside}" in results[1][1], results[1][1]
+    assert tree_digest(aside) == {k.removeprefix("checkpoints/step_000016/"): v for k, v in before[1].items()
+                                  if k.startswith("checkpoints/step_000016/")}
+    assert checkpoint_files.complete_steps(str(run / "node1")) == [12, 16, 20]  # all B's: A's is not pruned
+    assert run_id_of(run / "node1", 16) == b_id
+
+
+def test_a_run_whose_id_no_disk_holds_stops_beside_another_runs_checkpoints(tiny_data_dir, tiny_tokenizer_dir,
+                                                                           tmp_path):
+    """train.yml's case: the run has its id, node 0's disk is new, node 1 holds only an earlier
+    run's checkpoints of the same name: every rank stops naming them and the fix, nothing is moved."""
+    run = tmp_path / "run"
+    ok(run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 1, num_iterations=4)))
+    old_id, before = run_id_of(run / "node0", 4), tree_digest(run / "node0")
+    (run / "node0").rename(run / "node1")
+    for code, out in run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, run_id="fresh-run-1")):
+        assert code == EXIT_CONFIG, out
+        assert "this is run fresh-run-1, and no disk under" in out and f"steps [4] of run {old_id}" in out, out
+        assert "-e run_id=<id>" in out and "step 00001" not in out, out
+    assert tree_digest(run / "node1") == before
+
+
+def test_resuming_onto_other_data_stops_naming_both_manifests_unless_said(tiny_data_dir, tiny_tokenizer_dir,
+                                                                         tmp_path):
+    run, other = tmp_path / "run", tmp_path / "other_data"
+    ok(run_nodes([tiny_flags(tiny_data_dir, tiny_tokenizer_dir, run, num_iterations=4, total_batch_size=768)]))
+    shutil.copytree(tiny_data_dir, other)  # the same corpus less its first train shard
+    manifest = json.loads((other / "manifest.json").read_text())
+    manifest["files"] = [e for e in manifest["files"] if e["file"] != "shard_00000.parquet"]
+    (other / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    (other / "shard_00000.parquet").unlink()
+    old, new = (hashlib.sha256((d / "manifest.json").read_bytes()).hexdigest()[:16] for d in (tiny_data_dir, other))
+    flags = tiny_flags(other, tiny_tokenizer_dir, run, num_iterations=8, total_batch_size=768)
+    [(code, out)] = run_nodes([flags])
+    assert code == EXIT_CONFIG, out
+    assert f"trained on other data (manifest sha256 {old})" in out and f"(manifest sha256 {new})" in out, out
+    assert "--data-changed" in out and "step 00005" not in out, out
+    [(code, out)] = run_nodes([[*flags, "--data-changed"]])
+    assert code == 0, out
+    assert "resumed from checkpoint step 4" in out and "the loader starts the new data at its beginning" in out, out
+    assert sorted(losses(out)) == [5, 6, 7, 8]

@@ -23,6 +23,7 @@ from tests.test_roles import LOCALHOST_INV, ROOT, env, tool
 # node_args' inputs that come from cluster_facts on a real node
 NODE_FACTS = {
     "cluster_facts_paths": {"data_dir": "/d", "tokenizer_dir": "/t", "runs_dir": "/r"},
+    "run_id": "r1",  # the run's id (node_args' own cases: test_the_run_id_is_the_masters_or_a_new_one)
     "cluster_facts_mlflow_server": True,
     "cluster_facts_master_addr": "10.0.0.1",
     "cluster_facts_ports": {"mlflow": 5000},
@@ -50,7 +51,7 @@ DEFAULT_FLAGS = (
     "--sync-warmup-ratio 0.05 --eval-every 100 --eval-tokens 16384 --sample-every 100 --checkpoint-every 50 "
     "--resume auto --seed 42 --rank-batch-sizes {split}"
 )
-NODE_FLAGS = " --data-dir /d --tokenizer-dir /t --out-dir /r/{run} --tracking-uri http://10.0.0.1:5000"
+NODE_FLAGS = " --data-dir /d --tokenizer-dir /t --out-dir /r/{run} --run-id r1 --tracking-uri http://10.0.0.1:5000"
 
 CASES = {
     "defaults": ({}, [], DEFAULT_FLAGS.format(total=2048, split="auto") + NODE_FLAGS.format(run="d4")),
@@ -69,7 +70,8 @@ CASES = {
     "even split, every setting given": (
         {},
         ("-e work_split=even -e depth=8 -e max_seq_len=256 -e device_batch_size=4 -e num_iterations=500 "
-         "-e eval_every=-1 -e sample_every=0 -e checkpoint_every=0 -e eval_tokens=8192 -e dtype=float32 "
+         "-e eval_every=-1 -e sample_every=0 -e checkpoint_every=0 -e without_checkpoints=true -e eval_tokens=8192 "
+         "-e dtype=float32 "
          "-e compile=off -e resume=never -e seed=7 -e packing=stream -e sync_every=8 -e outer_lr=0.7 "
          "-e outer_momentum=0.9 -e outer_overlap=on -e sync_warmup_ratio=0 -e grad_comm_dtype=float32 "
          "-e param_comm_dtype=float32 -e run_name=pinned").split(),
@@ -106,6 +108,31 @@ def test_the_unit_gets_the_same_argv(tmp_path: Path, rows: dict[str, int], extra
     train_args = (tmp_path / "train_args").read_text()
     assert "\n" not in train_args, repr(train_args)
     assert train_args.split() == expect.split()
+
+
+def test_the_run_id_is_the_masters_or_a_new_one(tmp_path: Path) -> None:
+    """No -e run_id: the id in the master's env file of the run, or for a run the master never ran
+    a new one; -e run_id wins, and a bad one is refused by name."""
+    (tmp_path / "localhost.yml").write_text(LOCALHOST_INV)
+    (tmp_path / "show.yml").write_text(SHOW % (tmp_path / "train_args"))
+    (tmp_path / "d4.env").write_text("NNODES=2\nTRAIN_ARGS=--depth 4 --out-dir /r/d4 --run-id 0a1b2c --seed 1\n")
+    facts = {**NODE_FACTS, "cluster_facts_master_host": "localhost",
+             "cluster_facts_paths": {**NODE_FACTS["cluster_facts_paths"], "config_dir": str(tmp_path)}}
+    del facts["run_id"]
+
+    def run_id_of(*extra: str) -> str:
+        res = subprocess.run(
+            [tool("ansible-playbook"), "-i", "inventory/example", "-i", str(tmp_path / "localhost.yml"),
+             str(tmp_path / "show.yml"), "-e", json.dumps(facts), *extra],
+            cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+        if res.returncode:
+            return res.stdout
+        return re.search(r"--run-id (\S+)", (tmp_path / "train_args").read_text())[1]
+
+    assert run_id_of() == "0a1b2c"
+    assert run_id_of("-e", "run_id=chosen.1") == "chosen.1"
+    assert re.fullmatch("[0-9a-f]{32}", run_id_of("-e", "run_name=never-ran"))
+    assert "run_id=../x must be 1-64 letters" in run_id_of("-e", "run_id=../x")
 
 
 # ---- the same in Python: nanochat_cpu.run_args, no Ansible --------------------------------------

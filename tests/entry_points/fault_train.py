@@ -59,7 +59,7 @@ def _is_target(path: str) -> bool:
     return (os.environ.get("RANK", "0"), os.path.basename(os.path.dirname(path)), os.path.basename(path)) == _target
 
 
-def sabotaged_save(obj, path: str, *progress) -> None:
+def sabotaged_save(obj, path: str, *progress) -> str:
     """model.pt: torch.save's output cut half way."""
     if not _is_target(path):
         return _real_save(obj, path, *progress)
@@ -92,7 +92,7 @@ class _HalfFile:
 _real_write_bytes = checkpoint_files.atomic_write_bytes
 
 
-def sabotaged_write_bytes(path: str, data, *progress) -> None:
+def sabotaged_write_bytes(path: str, data, *progress) -> str:
     """rank{r}.pt, written as the bytes the rank sent: the real atomic_write_bytes, its file cut half way."""
     if not _is_target(path):
         return _real_write_bytes(path, data, *progress)
