@@ -96,8 +96,8 @@ def write_cache(cache_path: str, cache: dict[str, dict]) -> None:
 
 def disk_problem(host: str, doing: str, exc: OSError) -> str:
     name = errno.errorcode.get(exc.errno or 0, "?")
-    return (f"{host}: cannot {doing} {exc.filename or ''}: {exc.strerror} ({name}). Fix: look at that disk on {host} "
-            f"(`df -h`, `dmesg`): free space, or remount it writable, then start the run again")
+    return (f"{host}: cannot {doing}: {exc.strerror} ({name}). Fix: look at that disk on {host} (`df -h`, `dmesg`): "
+            f"free space, or remount it writable, then start the run again")
 
 
 def compute(host: str, data_dir: str, tokenizer_dir: str, config_hash: str, cache_path: str | None) -> Fingerprint:
@@ -111,12 +111,13 @@ def compute(host: str, data_dir: str, tokenizer_dir: str, config_hash: str, cach
         tok = os.path.join(tokenizer_dir, "tokenizer.json")
         files["tokenizer/tokenizer.json"] = cached_sha256(tok, cache) if os.path.exists(tok) else "missing"
     except OSError as exc:
-        return Fingerprint(host, {}, config_hash, versions, disk_problem(host, "read", exc))
+        return Fingerprint(host, {}, config_hash, versions, disk_problem(host, f"read {exc.filename}", exc))
     if cache_path:
         try:
             write_cache(cache_path, cache)
         except OSError as exc:
-            return Fingerprint(host, files, config_hash, versions, disk_problem(host, "write the hash cache", exc))
+            return Fingerprint(host, files, config_hash, versions,
+                               disk_problem(host, f"write the hash cache {cache_path}", exc))
     return Fingerprint(host=host, files=files, config=config_hash, versions=versions)
 
 

@@ -215,7 +215,7 @@ def test_a_full_disk_at_start_stops_the_run_once_naming_host_path_and_error(tiny
         said = proc.stdout + proc.stderr
         assert proc.returncode == 2, said
         assert re.search(rf"FATAL: a disk failed before step 0: {re.escape(socket.gethostname())}: cannot write the "
-                         rf"hash cache {re.escape(str(small))}/\S+: No space left on device \(ENOSPC\)", said), said
+                         rf"hash cache {re.escape(str(small))}/\.hash-cache\.json: No space left on device \(ENOSPC\)", said), said
         assert not trainer_traceback(said) and not losses(proc.stdout)
     finally:
         subprocess.run(["umount", str(small)], check=True)
@@ -290,6 +290,28 @@ def test_a_disk_that_stops_answering_in_a_checkpoint_is_named_within_the_watchdo
     assert code0 == collective_exit() and "FATAL" in out0 and "rank 1@" in out0, out0
     for rank in range(2):
         assert checkpoint_files.complete_steps(str(tmp_path / f"node{rank}")) == [4]
+
+
+def test_a_shard_read_that_never_returns_is_named_within_the_watchdogs_bound(tiny_data_dir, tiny_tokenizer_dir,
+                                                                             tmp_path):
+    """Rank 1's fourth read of a row group blocks for good (a dying disk, a hung network mount):
+    its watchdog names the file, the host and what to look at once --collective-timeout 5 + 30 s
+    have passed, and exits 4 (the unit restarts and resumes); rank 0, waiting in the next
+    collective, exits too. Before, the read hung the rank with its unit active."""
+    port = free_port()
+    env = {**node_env(), "STALL_RANK": "1", "STALL_AFTER": "3"}
+    target = [str(ENTRY_POINTS / "stalled_read_train.py"),
+              *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, collective_timeout=5, num_iterations=200)]
+    nodes = [spawn_node(2, rank, port, target, env=env) for rank in range(2)]
+    t0 = time.monotonic()
+    (code0, out0, _), (code1, out1, _) = [finish(p, timeout=180) for p in nodes]
+    assert time.monotonic() - t0 < 120
+    assert "FAULT: the read of" in out1, out1
+    stalled = re.search(r"FATAL: stuck (\d+)s \(bound 35s, --collective-timeout\) reading \S+/shard_\d+\.parquet "
+                        r"\(row group \d+\) on \S+: no byte came from the disk in that time, it does not answer\. "
+                        r"Fix: look at the disk under", out1)
+    assert stalled and int(stalled.group(1)) >= 35 and code1 == collective_exit(), out1
+    assert code0 == collective_exit() and "FATAL" in out0, out0
 
 
 def test_a_one_process_watchdog_bounds_a_stalled_write_not_a_slow_one(tmp_path):
