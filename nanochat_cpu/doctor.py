@@ -176,6 +176,12 @@ def run_input_problems(cfg, world_size: int, first_rank: int) -> list[str]:
                            f"a new run_name for a new run, or resume auto to go on with this one"]
     if cfg.run_id:  # another run's checkpoints are set aside by the trainer, not judged (run_identity.py)
         steps = [s for s in steps if checkpoint_files.marker_run_id(cfg.out_dir, s) in (None, cfg.run_id)]
+    with torch.device("meta"):  # shapes only, no memory
+        model = GPT(model_config_from(cfg.depth, cfg.aspect_ratio, cfg.head_dim, tok.vocab_size, cfg.max_seq_len,
+                                      cfg.window_pattern))
+    space = disk_space_problem(cfg, model, steps)
+    if space:
+        problems.append(space)
     if not steps:
         return problems
     where = checkpoint_files.step_dir(cfg.out_dir, steps[-1])
@@ -203,9 +209,6 @@ def run_input_problems(cfg, world_size: int, first_rank: int) -> list[str]:
                                            tok.vocab_size)
     if refusal:
         return problems + [refusal]
-    with torch.device("meta"):  # shapes only, no memory
-        model = GPT(model_config_from(cfg.depth, cfg.aspect_ratio, cfg.head_dim, tok.vocab_size, cfg.max_seq_len,
-                                      cfg.window_pattern))
     want = {k: tuple(v.shape) for k, v in model.state_dict().items()}
     have = {k: tuple(v.shape) for k, v in state.items()}
     if want != have:
@@ -214,6 +217,44 @@ def run_input_problems(cfg, world_size: int, first_rank: int) -> list[str]:
                         f"{len(differ)} tensors differ, e.g. {differ[0]} {have.get(differ[0])} vs "
                         f"{want.get(differ[0])}. Fix: the run's original settings, or a new run_name")
     return problems
+
+
+# A checkpoint of a run that has none yet, as a multiple of its weights' bytes: the weights, and
+# every rank's optimizer state beside them (a momentum for every matrix, two moments for the
+# embeddings and the head), measured at 2.5x on a synchronous 2-rank run. Kept low: an estimate
+# that refused a disk with room would be worse than the first checkpoint's own full-disk stop.
+CHECKPOINT_PER_WEIGHT_BYTE = 2.0
+
+
+def disk_space_problem(cfg, model, steps: list[int]) -> str | None:
+    """Whether the disk under --out-dir has room for the run's checkpoints: --keep-checkpoints of
+    them and the one being written, each the size of the newest this node holds (else estimated
+    from the model), less what the run's own checkpoints hold already."""
+    import shutil
+
+    from . import checkpoint_files
+
+    def step_bytes(step: int) -> int:
+        d = checkpoint_files.step_dir(cfg.out_dir, step)
+        return sum(os.path.getsize(os.path.join(d, name)) for name in os.listdir(d))
+
+    held = sum(step_bytes(s) for s in steps)
+    if steps:
+        size, how = step_bytes(steps[-1]), f"the size of its step {steps[-1]}"
+    else:
+        weights = sum(v.numel() * v.element_size() for v in model.state_dict().values())
+        size, how = int(weights * CHECKPOINT_PER_WEIGHT_BYTE), "estimated from the model's weights"
+    need = (cfg.keep_checkpoints + 1) * size - held
+    where = cfg.out_dir
+    while not os.path.isdir(where) and os.path.dirname(os.path.abspath(where)) != where:
+        where = os.path.dirname(os.path.abspath(where))
+    free = shutil.disk_usage(where).free
+    if free >= need:
+        return None
+    return (f"--out-dir={cfg.out_dir}: {free / 2**20:,.0f} MiB free on its disk, but the run's checkpoints need "
+            f"{need / 2**20:,.0f} MiB more ({cfg.keep_checkpoints} kept + 1 being written, {size / 2**20:,.1f} MiB "
+            f"each: {how}). Fix: free space on that disk, point the runs directory at a larger one, or keep fewer "
+            f"(-e train_extra_args='--keep-checkpoints 2', at least 2)")
 
 
 def check_device(device: str) -> tuple[list[str], dict]:

@@ -215,7 +215,8 @@ def test_a_full_disk_at_start_stops_the_run_once_naming_host_path_and_error(tiny
         said = proc.stdout + proc.stderr
         assert proc.returncode == 2, said
         assert re.search(rf"FATAL: a disk failed before step 0: {re.escape(socket.gethostname())}: cannot write the "
-                         rf"hash cache {re.escape(str(small))}/\.hash-cache\.json: No space left on device \(ENOSPC\)", said), said
+                         rf"hash cache {re.escape(str(small))}/\.hash-cache\.json: No space left on device "
+                         rf"\(ENOSPC\)", said), said
         assert not trainer_traceback(said) and not losses(proc.stdout)
     finally:
         subprocess.run(["umount", str(small)], check=True)
@@ -713,6 +714,25 @@ def test_run_check_names_bad_shards_missing_dirs_and_an_unwritable_out_dir(tiny_
     if os.getuid() != 0:  # root may write anywhere; the preflight runs the check as the unit's user
         [problem] = run_check(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, locked / "run"))
         assert "is not writable by uid" in problem
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="mounts a 2 MiB tmpfs")
+def test_run_check_names_a_disk_too_small_for_the_runs_checkpoints(trained_run, tiny_data_dir, tiny_tokenizer_dir,
+                                                                   tmp_path):
+    """The preflight's check: --keep-checkpoints of them and the one being written must fit, each
+    as big as the node's newest (or, before the first, estimated from the model)."""
+    small = tmp_path / "small"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "faults-test", str(small)], check=True)
+    try:
+        [problem] = run_check(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, small / "run"))
+        assert re.search(r"--out-dir=\S+/small/run: 2 MiB free on its disk, but the run's checkpoints need \d+ MiB "
+                         r"more \(3 kept \+ 1 being written, 1\.\d MiB each: estimated from the model's weights\)\. "
+                         r"Fix: free space", problem), problem
+    finally:
+        subprocess.run(["umount", str(small)], check=True)
+    run, _ = copy_run(trained_run, tmp_path / "node0")  # 3 of its checkpoints held: room for one more needed
+    assert run_check(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, run, num_iterations=16)) == []
 
 
 def test_run_check_refuses_to_resume_with_another_tokenizer_or_depth(trained_run, tiny_data_dir, tiny_tokenizer_dir,
