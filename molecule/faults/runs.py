@@ -29,6 +29,10 @@ RUN_VARS = {
     "train_extra_args": f"--collective-timeout {COLLECTIVE_TIMEOUT}",
 }
 
+# the demo dataset on every node, and a shard the cases drift
+DATA = "/var/lib/nanochat/data/fortunes"
+SHARD = f"{DATA}/shard_00001.parquet"
+
 
 @dataclass
 class Run:

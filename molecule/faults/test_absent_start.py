@@ -5,7 +5,8 @@ the run on the other two, naming the absent one; status.yml shows it as a row of
 run's group without it. Started again, the node has no unit of this run (it was away when the run
 began), so it stays out until train.yml is run again with the same settings: that starts the run
 on it alone, the nodes already training keep their units' invocations, and it joins at a
-checkpoint. Other settings are refused, naming the flags that differ.
+checkpoint. Other settings are refused, naming the flags that differ; restart=true with a
+drifted shard is refused by the preflight and leaves the run training.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from collections.abc import Iterator
 
 import pytest
 from nodes import Cluster, first, log, podman, show_train_failure, wait_for
-from runs import RESUMED, Run, clean_run, refused, run_state, wait_step, world_steps
+from runs import RESUMED, SHARD, Run, clean_run, last_step, refused, run_state, wait_step, world_steps
 
 CASE = "absent-start"
 pytestmark = pytest.mark.incremental  # one run throughout
@@ -129,3 +130,27 @@ def test_train_yml_again_starts_only_the_node_back(cluster: Cluster, absent_run:
     case_report["together_after_s"] = round(time.time() - t0, 1)
     log(f"train.yml started {run.name} on {away} alone in {took:.0f}s; all {len(cluster.nodes)} "
         f"train together from step {first_together}")
+
+
+def test_a_restart_whose_checks_fail_leaves_the_run_training(cluster: Cluster, absent_run: tuple[Run, str],
+                                                            case_report: dict) -> None:
+    """train.yml -e restart=true while one node's shard has drifted: the preflight names it, and
+    the run it was to replace trains on, untouched (its units are stopped only once the new run's
+    checks passed)."""
+    run, _ = absent_run
+    node = cluster.workers[0]
+    before = {n: cluster.unit(n, run.unit)["InvocationID"] for n in cluster.nodes}
+    cluster.sh(node, f"cp -p {SHARD} /root/shard.orig && printf drift >> {SHARD}")
+    try:
+        case_report["restart_with_a_failed_check"] = refused(
+            cluster, {**run.vars, "restart": True}, f"data verify FAILED on {node}: shard_00001.parquet",
+            "a restart onto a drifted shard")
+    finally:
+        cluster.sh(node, f"cp -p /root/shard.orig {SHARD}", check=False)
+    after = {n: cluster.unit(n, run.unit) for n in cluster.nodes}
+    assert {n: u["InvocationID"] for n, u in after.items()} == before and all(
+        u["ActiveState"] == "active" for u in after.values()), (
+        f"the failed restart stopped the run it was to replace: {before} -> {after}")
+    wait_step(cluster, run.unit, last_step(cluster, run.unit, run.started) + 2, run.started, timeout=120)
+    log(f"restart=true with a drifted shard on {node}: refused in "
+        f"{case_report['restart_with_a_failed_check']['seconds']:.0f}s, the run trains on")

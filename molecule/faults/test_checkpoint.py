@@ -1,5 +1,7 @@
 """Disk full and a checkpoint write cut short, on a worker whose run directory is a small tmpfs.
 
+First on 8 MiB, too small for the run's checkpoints: the preflight names the node and nothing starts.
+
 Filled after checkpoint 10, so its write of checkpoint 20 fails: every rank stops with exit 2 naming
 that node and "No space left on device" (no restart loop), checkpoint 10 intact everywhere, the partial
 file gone. The units started again after freeing space resume from 10 with the same losses. Then the
@@ -22,9 +24,11 @@ from runs import (
     CHECKPOINT_EVERY,
     COLLECTIVE_TIMEOUT,
     Run,
+    assert_no_unit_started,
     check_resume,
     clean_run,
     complete_steps,
+    refused,
     resume_after,
     run_state,
     wait_all_failed,
@@ -55,6 +59,23 @@ def small_disk(cluster: Cluster) -> Iterator[DiskRun]:
     yield d
     cluster.sh(d.node, f"systemctl stop {d.run.unit}; umount {rundir}", check=False)
     clean_run(cluster, d.run)
+
+
+def test_a_disk_too_small_for_the_runs_checkpoints_is_named_before_any_unit_starts(
+        cluster: Cluster, small_disk: DiskRun, case_report: dict) -> None:
+    """The same worker's run directory on 8 MiB first: the preflight's check sizes the run's
+    checkpoints from the model and names that node; nothing starts."""
+    run, node = small_disk.run, small_disk.node
+    cluster.sh(node, f"umount {run.dir} && mount -t tmpfs -o size=8m,mode=0755 faults-disk {run.dir} && "
+                     f"chown nanochat:nanochat {run.dir}")
+    try:
+        case_report["disk_too_small"] = refused(cluster, run.vars, "free on its disk, but the run's checkpoints need",
+                                                "a disk too small for the run's checkpoints")
+    finally:
+        cluster.sh(node, f"umount {run.dir} && mount -t tmpfs -o size=128m,mode=0755 faults-disk {run.dir} && "
+                         f"chown nanochat:nanochat {run.dir}")
+    assert node in case_report["disk_too_small"]["message"], case_report["disk_too_small"]
+    assert_no_unit_started(cluster, run.unit)
 
 
 def test_full_disk_stops_every_rank_with_exit_2(cluster: Cluster, small_disk: DiskRun, case_report: dict) -> None:

@@ -14,12 +14,11 @@ from pathlib import Path
 
 import pytest
 from nodes import Cluster, first, log, show_train_failure, start_everywhere, wait_for
-from runs import Run, assert_no_unit_started, wait_all_failed
+from runs import DATA, SHARD, Run, assert_no_unit_started, wait_all_failed
 
 CASE = "drift"
 RUN = Run("faults-drift", 10)
-DATA = "/var/lib/nanochat/data/fortunes"
-SHARD, GONE = f"{DATA}/shard_00001.parquet", f"{DATA}/shard_00003.parquet"
+GONE = f"{DATA}/shard_00003.parquet"
 
 
 @pytest.fixture(scope="module")
