@@ -429,34 +429,41 @@ def find_resume_step(resume: str, run_id: str, env: DistEnv, disks: Disks,
 
 def check_bytes(env: DistEnv, disks: Disks, step: int, everyone: list[dict[int, dict]],
                 broken: list[dict[int, list]], watchdog: Watchdog) -> bool:
-    """Each disk's writer checks checkpoint `step`'s files against the sha256 its marker recorded. A
-    disk whose copy differs no longer holds it (restore_missing brings it a good one); with no good
-    copy anywhere the step is lost on every disk (`broken`) and an older one is chosen. Returns
-    whether some disk holds it good; collective."""
-    bad = None
-    if disks.writer(env.rank) and step in everyone[env.rank]:
-        where, fix = step_dir(disks.out_dir, step), f"Fix: look at the disk under {disks.out_dir} on {env.host}"
-        with watchdog.disk(f"checking checkpoint step {step}'s bytes in {where}", 0, f"{fix} (`dmesg`, its mount)",
-                           ) as progress:
-            bad = bad_files(disks.out_dir, step, everyone[env.rank][step], progress)
-    found = [bad]
-    if env.distributed:
-        found = [None] * env.world_size
-        with watchdog.phase("all_gather checkpoint checks", 0):
-            dist.all_gather_object(found, bad, group=disks.group)
-    hosts = env.hosts or [env.host]
-    said = {hosts[w]: found[w] for w in disks.writers if found[w]}
-    if not said:
+    """Each disk's writer checks checkpoint `step`'s files against the sha256 its marker recorded,
+    file by file (each a collective of its own: a peer waits for one file's read, not the whole
+    checkpoint's). A disk whose copy differs no longer holds it (restore_missing brings it a good
+    one); with no good copy anywhere the step is lost on every disk (`broken`) and an older one is
+    chosen. Returns whether some disk holds it good; collective."""
+    sealed = next(steps[step] for steps in everyone if step in steps).get("sha256") or {}
+    mine = disks.writer(env.rank) and step in everyone[env.rank]
+    where = step_dir(disks.out_dir, step)
+    fix = f"Fix: look at the disk under {disks.out_dir} on {env.host} (`dmesg`, its mount)"
+    bad: dict[int, list[str]] = {}  # writer rank -> its files whose bytes differ
+    for name in sealed:
+        differs = False
+        if mine:
+            with watchdog.disk(f"checking the bytes of {where}/{name}", -1, fix) as progress:
+                differs = bad_files(disks.out_dir, step, {"sha256": {name: sealed[name]}}, progress) != []
+        found = [differs]
+        if env.distributed:
+            found = [False] * env.world_size
+            with watchdog.phase(f"all_gather checkpoint check of {name}", 0):
+                dist.all_gather_object(found, differs, group=disks.group)
+        for w in disks.writers:
+            if found[w]:
+                bad.setdefault(w, []).append(name)
+    if not bad:
         return True
     for rank in range(len(everyone)):
-        names = found[disks.disk_of_rank[rank]]
+        names = bad.get(disks.disk_of_rank[rank])
         if names:
             everyone[rank].pop(step, None)
             broken[rank][step] = [f"{name} (bytes other than its sha256)" for name in names]
     good = any(step in steps for steps in everyone)
+    hosts = env.hosts or [env.host]
     if env.master:
-        log(env, f"WARNING: checkpoint step {step}: " + "; ".join(f"{host}'s copy of {', '.join(names)}"
-                                                                 for host, names in said.items())
+        log(env, f"WARNING: checkpoint step {step}: " + "; ".join(f"{hosts[w]}'s copy of {', '.join(names)}"
+                                                                 for w, names in bad.items())
                  + " differ from the sha256 sealed with them (a failing disk, or a file changed since): "
                  + ("those disks get a good copy from one that holds it" if good else "no disk holds a good copy"))
     return good

@@ -209,14 +209,14 @@ def missing_files(out_dir: str, step: int) -> list[str] | None:
         return ["COMPLETE (unreadable)"]
 
 
-def marker_run_id(out_dir: str, step: int) -> str | None:
-    """The run a sealed step's marker names; None for one sealed before runs had ids, or unreadable."""
+def marker_run_id(out_dir: str, step: int) -> object:
+    """The run id a sealed step's marker holds, as it is (run_identity.run_of judges it); None for
+    one sealed before runs had ids, or unreadable."""
     try:
         with open(os.path.join(step_dir(out_dir, step), "COMPLETE")) as f:
-            run_id = json.load(f).get("run_id")
+            return json.load(f).get("run_id")
     except (OSError, ValueError, AttributeError):
         return None
-    return run_id if isinstance(run_id, str) else None
 
 
 READ_BYTES = 8 << 20  # a checked file is read in pieces this size: each one is progress

@@ -271,7 +271,7 @@ class TokenLoader:
         kept: dict[tuple[int, int], tuple[list[int], int]] = {}  # a row's worth and the length: no more held
         for pair, docs in sorted(by_pair.items()):
             wanted = sorted(docs)
-            texts = read_texts(self.data_dir, self.all_pairs[pair])
+            texts = self._read(self.all_pairs[pair])
             if wanted[-1] >= len(texts):
                 raise ValueError(f"the loader's buffer names document {wanted[-1]} of {self.all_pairs[pair]}, which "
                                  f"holds {len(texts)}: was the data re-prepared?")
@@ -282,6 +282,11 @@ class TokenLoader:
             self._buffer_add(ref, *kept[ref[1], ref[2]])
 
     # ---- the stream of documents ------------------------------------------------------------------
+
+    def _read(self, pair: tuple[str, int]) -> list[str]:
+        """The documents of one row group, read under `reading`'s watch."""
+        with self.reading(f"reading {self.data_dir / pair[0]} (row group {pair[1]})"):
+            return read_texts(self.data_dir, pair)
 
     def _current_pair(self) -> tuple[str, int] | None:
         """The row group at the position, moving on into the next epoch past the end of a list;
@@ -323,8 +328,7 @@ class TokenLoader:
             if pair is None:
                 return None
             if self._docs_pair != pair:
-                with self.reading(f"reading {self.data_dir / pair[0]} (row group {pair[1]})"):
-                    texts = read_texts(self.data_dir, pair)
+                texts = self._read(pair)
                 bos = self.tokenizer.bos_id
                 self._docs = [[bos, *ids] for ids in self.tokenizer.encode_batch(texts, self.num_threads)]
                 self._docs_pair = pair

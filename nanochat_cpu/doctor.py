@@ -230,17 +230,25 @@ def disk_space_problem(cfg, model, steps: list[int]) -> str | None:
     """Whether the disk under --out-dir has room for the run's checkpoints: --keep-checkpoints of
     them and the one being written, each the size of the newest this node holds (else estimated
     from the model), less what the run's own checkpoints hold already."""
+    import contextlib
     import shutil
 
     from . import checkpoint_files
 
     def step_bytes(step: int) -> int:
-        d = checkpoint_files.step_dir(cfg.out_dir, step)
-        return sum(os.path.getsize(os.path.join(d, name)) for name in os.listdir(d))
+        """0 for a step pruned meanwhile (with restart=true the old run trains on through the preflight)."""
+        d, total = checkpoint_files.step_dir(cfg.out_dir, step), 0
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(d):
+                with contextlib.suppress(OSError):
+                    total += entry.stat().st_size
+        return total
 
-    held = sum(step_bytes(s) for s in steps)
-    if steps:
-        size, how = step_bytes(steps[-1]), f"the size of its step {steps[-1]}"
+    sizes = {s: step_bytes(s) for s in steps}
+    held = sum(sizes.values())
+    if any(sizes.values()):
+        newest = max(s for s, size in sizes.items() if size)
+        size, how = sizes[newest], f"the size of its step {newest}"
     else:
         weights = sum(v.numel() * v.element_size() for v in model.state_dict().values())
         size, how = int(weights * CHECKPOINT_PER_WEIGHT_BYTE), "estimated from the model's weights"

@@ -7,13 +7,14 @@ rank 0 draws. It is kept in every checkpoint's COMPLETE marker and rank files, s
 banner and logged to MLflow.
 
 On resume every disk's sealed checkpoints are grouped by the run that wrote them (`claim`). A run
-resumes only its own, and those sealed before runs had ids (it takes them as its own). Another
-run's are named and set aside on their disk under checkpoints/other-runs/<its id>/, where resume,
-restore and pruning never look: nothing of them is deleted. Where the disks do not say which run
-this is, every rank stops before step 1 naming the hosts, the ids and the fix, because a guess
-would train over one of them:
-- the run was given its id and no disk holds a checkpoint of it, but some hold another run's (a
-  laptop that kept a run of the same name from an earlier cluster);
+resumes only its own, and those sealed before runs had ids where they are older than its own
+first one (its history before the upgrade; with none of its own yet, all of them). Another run's
+are named and set aside on their disk under checkpoints/other-runs/<its id>/ (`no-id/` for one
+sealed before ids, newer than this run's first), where resume, restore and pruning never look:
+nothing of them is deleted. Where the disks do not say which run this is, every rank stops before
+step 1 naming the hosts, the ids and the fix, because a guess would train over one of them:
+- no disk holds a checkpoint that carries this run's id, but some hold another run's (a laptop
+  that kept a run of the same name from an earlier cluster);
 - the run was started without an id and the disks hold several runs.
 """
 
@@ -24,9 +25,19 @@ from dataclasses import dataclass
 
 from .checkpoint_files import checkpoint_root, set_aside
 from .checkpoint_transfer import Disks, fail_together
+from .config import RUN_ID
 from .dist import EXIT_CONFIG, DistEnv, Watchdog, fail, log
 
 START_AFRESH = "start afresh with another --run-name or --out-dir"
+NO_ID = "no-id"  # another run's checkpoint sealed before runs had ids: set aside under this name
+BAD_ID = "unreadable-id"  # a marker whose id is no id (edited by hand, corrupt): never a path
+
+
+def run_of(marker_id: object) -> str | None:
+    """A marker's run id as claim reads it: None where it has none (sealed before ids)."""
+    if marker_id is None:
+        return None
+    return marker_id if isinstance(marker_id, str) and RUN_ID.fullmatch(marker_id) else BAD_ID
 
 
 def new_run_id() -> str:
@@ -49,7 +60,9 @@ def held_runs(env: DistEnv, runs: list[dict[int, str]]) -> str:
     for rank, steps in enumerate(runs):
         for step, run_id in steps.items():
             said.setdefault((hosts[rank], run_id), set()).add(step)
-    return "; ".join(f"{host}: steps {sorted(steps)} of run {run_id}" for (host, run_id), steps in said.items())
+    return "; ".join(f"{host}: steps {sorted(steps)} " + ("sealed before runs had ids" if run_id == NO_ID
+                                                          else f"of run {run_id}")
+                     for (host, run_id), steps in said.items())
 
 
 def claim(given: str, drawn: str, env: DistEnv, out_dir: str, everyone: list[dict[int, dict]],
@@ -57,7 +70,7 @@ def claim(given: str, drawn: str, env: DistEnv, out_dir: str, everyone: list[dic
     """This run's id and its checkpoints among every disk's (`everyone`: {step: marker} by rank;
     `broken`: {step: (missing names, run id)} by rank). `given`: --run-id ('' if none); `drawn`:
     rank 0's new id, for a run whose disks hold none."""
-    runs = [{s: m.get("run_id") for s, m in steps.items()} | {s: rid for s, (_, rid) in lost.items()}
+    runs = [{s: run_of(m.get("run_id")) for s, m in steps.items()} | {s: run_of(rid) for s, (_, rid) in lost.items()}
             for steps, lost in zip(everyone, broken, strict=True)]
     ids = {run_id for steps in runs for run_id in steps.values()} - {None}
     if not given and len(ids) > 1:
@@ -66,11 +79,14 @@ def claim(given: str, drawn: str, env: DistEnv, out_dir: str, everyone: list[dic
                                f"--run-id <one of them> goes on with that run (the others' checkpoints are set "
                                f"aside under {checkpoint_root(out_dir)}/other-runs, not deleted), or {START_AFRESH}")
     this = given or next(iter(ids), drawn)
-    others = [{s: rid for s, rid in steps.items() if rid not in (None, this)} for steps in runs]
+    first_own = min((s for steps in runs for s, rid in steps.items() if rid == this), default=None)
+    # a step sealed before ids is this run's history if it is older than the run's first step with its id
+    others = [{s: rid or NO_ID for s, rid in steps.items()
+               if rid != this and not (rid is None and (first_own is None or s < first_own))} for steps in runs]
     own = [{s: m for s, m in steps.items() if s not in theirs} for steps, theirs in zip(everyone, others, strict=True)]
     own_broken = [{s: names for s, (names, _) in lost.items() if s not in theirs}
                   for lost, theirs in zip(broken, others, strict=True)]
-    if any(others) and not any(own) and not any(own_broken):
+    if ids - {this} and first_own is None:
         fail(env, EXIT_CONFIG, f"this is run {this}, and no disk under {out_dir} holds a checkpoint of it, but some "
                                f"hold another run's ({held_runs(env, others)}): starting afresh beside them, or "
                                f"taking them over, would be a guess. Fix: to go on with that run, give its id "

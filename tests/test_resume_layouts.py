@@ -385,3 +385,37 @@ def test_resuming_onto_other_data_stops_naming_both_manifests_unless_said(tiny_d
     assert code == 0, out
     assert "resumed from checkpoint step 4" in out and "the loader starts the new data at its beginning" in out, out
     assert sorted(losses(out)) == [5, 6, 7, 8]
+
+
+def test_which_checkpoints_are_this_runs(monkeypatch):
+    """claim's rules on two disks' markers: a step sealed before runs had ids is this run's history
+    only where it is older than the run's first step with its id; a newer one, another run's and a
+    marker whose id is no id are set aside (never a path outside other-runs); with no step of its
+    own id beside another run's, the run stops."""
+    from nanochat_cpu import run_identity
+    from nanochat_cpu.dist import DistEnv
+
+    def stops(env, code, msg):
+        raise SystemExit(f"{code}: {msg}")
+
+    monkeypatch.setattr(run_identity, "fail", stops)
+    env = DistEnv(rank=0, world_size=2, backend="gloo", host="ws", hosts=["ws", "laptop"])
+
+    def marker(run_id=None):
+        return {"world_size": 2} | ({"run_id": run_id} if run_id else {})
+
+    ws = {4: marker(), 8: marker("B"), 12: marker("B")}  # B's history from before ids, then B's own
+    laptop = {8: marker("B"), 16: marker(), 20: marker("../../etc"), 24: marker("A")}
+    claimed = run_identity.claim("B", "new", env, "/r", [ws, laptop], [{}, {}])
+    assert claimed.run_id == "B"
+    assert claimed.everyone == [{4: ws[4], 8: ws[8], 12: ws[12]}, {8: laptop[8]}]
+    assert claimed.others == [{}, {16: run_identity.NO_ID, 20: run_identity.BAD_ID, 24: "A"}]
+    # without --run-id the disks' runs are a guess: B, A and the unreadable one
+    with pytest.raises(SystemExit, match=r"2: /r holds checkpoints of 3 runs .*laptop: steps \[24\] of run A"):
+        run_identity.claim("", "new", env, "/r", [ws, laptop], [{}, {}])
+    # only steps from before ids: the run's own history, whichever id it is given or draws
+    assert run_identity.claim("", "new", env, "/r", [{4: marker()}, {}], [{}, {}]).run_id == "new"
+    assert run_identity.claim("C", "new", env, "/r", [{4: marker()}, {}], [{}, {}]).everyone == [{4: marker()}, {}]
+    # another run's steps and none of this id: stopped, naming them, even beside steps from before ids
+    with pytest.raises(SystemExit, match=r"this is run C, and no disk under /r holds .*laptop: steps \[24\] of run A"):
+        run_identity.claim("C", "new", env, "/r", [{4: marker()}, {24: marker("A")}], [{}, {}])

@@ -111,7 +111,8 @@ def test_the_unit_gets_the_same_argv(tmp_path: Path, rows: dict[str, int], extra
 
 
 def test_the_run_id_is_the_masters_or_a_new_one(tmp_path: Path) -> None:
-    """No -e run_id: the id in the master's env file of the run, or for a run the master never ran
+    """No -e run_id: the id in the master's env file of the run, none where that file has none (a
+    run started before ids: the trainer takes its checkpoints'), or for a run the master never ran
     a new one; -e run_id wins, and a bad one is refused by name."""
     (tmp_path / "localhost.yml").write_text(LOCALHOST_INV)
     (tmp_path / "show.yml").write_text(SHOW % (tmp_path / "train_args"))
@@ -120,16 +121,19 @@ def test_the_run_id_is_the_masters_or_a_new_one(tmp_path: Path) -> None:
              "cluster_facts_paths": {**NODE_FACTS["cluster_facts_paths"], "config_dir": str(tmp_path)}}
     del facts["run_id"]
 
-    def run_id_of(*extra: str) -> str:
+    def run_id_of(*extra: str) -> str | None:
         res = subprocess.run(
             [tool("ansible-playbook"), "-i", "inventory/example", "-i", str(tmp_path / "localhost.yml"),
              str(tmp_path / "show.yml"), "-e", json.dumps(facts), *extra],
             cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
         if res.returncode:
             return res.stdout
-        return re.search(r"--run-id (\S+)", (tmp_path / "train_args").read_text())[1]
+        found = re.search(r"--run-id (\S+)", (tmp_path / "train_args").read_text())
+        return found and found[1]
 
     assert run_id_of() == "0a1b2c"
+    (tmp_path / "old.env").write_text("TRAIN_ARGS=--depth 4 --out-dir /r/old --seed 1\n")  # started before ids
+    assert run_id_of("-e", "run_name=old") is None
     assert run_id_of("-e", "run_id=chosen.1") == "chosen.1"
     assert re.fullmatch("[0-9a-f]{32}", run_id_of("-e", "run_name=never-ran"))
     assert "run_id=../x must be 1-64 letters" in run_id_of("-e", "run_id=../x")
