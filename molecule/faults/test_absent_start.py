@@ -80,6 +80,11 @@ def test_status_yml_shows_the_absent_node(cluster: Cluster, absent_run: tuple[Ru
         f"the master's row does not say the run trains:\n{out[-4000:]}")
     case_report["status_yml"] = {"rc": rc, "seconds": round(took, 1), "group": group}
     log(f"status.yml in {took:.0f}s (rc {rc}): {group}")
+    # a run name no node has: named, with the runs there are
+    rc, out, _ = cluster.playbook("status.yml", {"run_name": f"{run.name}-typo"})
+    flat = " ".join(out.split())
+    assert rc != 0 and f"No run named {run.name}-typo on" in flat and f"{run.name} on {cluster.master}" in flat, (
+        f"status.yml with an unknown run_name did not name the runs there are (rc {rc}):\n{out[-3000:]}")
 
 
 def test_other_settings_are_refused(cluster: Cluster, absent_run: tuple[Run, str], case_report: dict) -> None:
