@@ -28,6 +28,7 @@ import os
 import secrets
 import shutil
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -138,6 +139,11 @@ class SharedArena:
             stem = [str(base / f"nanochat-{os.getpid()}-{secrets.token_hex(8)}")]
         dist.broadcast_object_list(stem, group=group, group_src=0)
         self.stem, self.files = stem[0], 0
+        # how a rank waits for its peers' lock, `waiting(what, step)`: a peer frozen while holding
+        # it (SIGSTOP, a debugger) blocks the others with no socket to time out, so the trainer
+        # hands in its watchdog's phase here, which bounds the wait like a collective's
+        self.waiting: Callable[[str, int], contextlib.AbstractContextManager] = \
+            lambda what, step: contextlib.nullcontext()
 
     def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A zeroed shared tensor; its file is gone again when this returns on any rank."""
@@ -149,11 +155,13 @@ class SharedArena:
             os.close(fd)
         return t.view(shape)
 
-    def lock(self, name: str) -> HostLock:
+    def lock(self, name: str, what: str, step: Callable[[], int]) -> HostLock:
         """A lock every rank of this host shares (flock on one open file): what one rank writes
         to shared memory holding it, the next rank to hold it reads. Kernel locks order memory on
-        every architecture, which plain flag writes would not on ARM."""
-        return HostLock(self._open_on_every_rank(name, 0))  # stays open for the run: the lock lives on the inode
+        every architecture, which plain flag writes would not on ARM. A wait for it is `waiting`'s
+        phase `what` at step `step()`."""
+        fd = self._open_on_every_rank(name, 0)  # stays open for the run: the lock lives on the inode
+        return HostLock(fd, lambda: self.waiting(what, step()))
 
     def _open_on_every_rank(self, name: str, nbytes: int) -> int:
         """A descriptor of one file of `nbytes` zeros that every rank of the group holds, and that
@@ -190,13 +198,19 @@ def remove(path: str, folder: str) -> None:
 
 
 class HostLock:
-    """`with lock:` holds an exclusive flock on a file every rank of the host has open."""
+    """`with lock:` holds an exclusive flock on a file every rank of the host has open. Taken at
+    once if free; else the wait runs inside `waiting()` (the watchdog's phase), also where no
+    other phase is open: in the backward's gradient hooks."""
 
-    def __init__(self, fd: int):
-        self.fd = fd
+    def __init__(self, fd: int, waiting: Callable[[], contextlib.AbstractContextManager]):
+        self.fd, self.waiting = fd, waiting
 
     def __enter__(self) -> None:
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            with self.waiting():
+                fcntl.flock(self.fd, fcntl.LOCK_EX)
 
     def __exit__(self, *exc: object) -> None:
         fcntl.flock(self.fd, fcntl.LOCK_UN)

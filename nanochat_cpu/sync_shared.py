@@ -150,7 +150,7 @@ class SharedMemorySync(SlicedState):
             self.gates[i, u.gate] = True
         self.ready_at = self.arena.tensor("ready", (self.world_size, len(self.param_index)), torch.int64).numpy()
         self.claimed = self.arena.tensor("claimed", (len(units),), torch.int64).numpy()
-        self.lock = self.arena.lock("queue")
+        self.lock = self.arena.lock("queue", self.phase, lambda: self.opt.step_count + 1)
         self.pids = self.arena.tensor("pids", (self.world_size,), torch.int64).numpy()
         self.pids[self.rank] = os.getpid()
         largest = max((u.hi - u.lo) * u.shared.layout.item_numel for u in units if not u.group.sparse_rows)

@@ -127,6 +127,8 @@ def setup_optimizer(cfg: TrainConfig, env: DistEnv, model: GPT, muon_dtype: torc
             arena, local_why = make_arena(cfg.local_comm, rank, world, env.device, model, group)
         except ValueError as exc:
             fail(env, EXIT_CONFIG, str(exc))
+        if arena is not None:
+            arena.waiting = watchdog.phase  # a peer frozen holding the host's lock: bounded like a collective
         if world > 1:
             log(env, f"local comm: {local_why}")
         return build_optimizer(model, cfg, rank, world, muon_dtype, arena, group)

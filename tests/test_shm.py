@@ -5,11 +5,14 @@ and test_train_runs (a 2-rank run that resumes through it)."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import fcntl
 import os
 import secrets
 import shutil
 import stat
+import threading
 from pathlib import Path
 
 import pytest
@@ -125,12 +128,38 @@ def test_arena_files_are_private_and_gone_when_mapped(runtime_dir: Path, one_pro
     monkeypatch.setattr(os, "mkdir", mkdir)
     arena = SharedArena(0)
     t = arena.tensor("params", (3, 4), torch.float32)
-    with arena.lock("work"):
+    with arena.lock("work", "the work queue", lambda: 1):
         t += 1
     assert t.shape == (3, 4) and t.sum().item() == 12
     assert [stat.S_IMODE(mode) for _, mode in made] == [0o700, 0o700]
     assert all(path.startswith(str(runtime_dir / "nanochat-")) for path, _ in made)
     assert list(runtime_dir.iterdir()) == []  # nothing left for a rank that dies later to leak
+
+
+def test_a_wait_for_the_hosts_lock_is_the_watchdogs_phase(runtime_dir: Path, one_process_group) -> None:
+    """A peer frozen holding the lock must not block this rank outside the watchdog's sight, also
+    in a gradient hook, where no other phase is open; a free lock costs no phase."""
+    arena = SharedArena(0)
+    waits: list[tuple[str, int]] = []
+
+    @contextlib.contextmanager
+    def waiting(what: str, step: int):
+        waits.append((what, step))
+        yield
+
+    arena.waiting = waiting
+    lock = arena.lock("work", "the work queue", lambda: 7)
+    with lock:
+        pass
+    assert waits == []
+    peer = os.open(f"/proc/self/fd/{lock.fd}", os.O_RDONLY)  # another open file: a peer's flock
+    try:
+        fcntl.flock(peer, fcntl.LOCK_EX)
+        threading.Timer(0.2, fcntl.flock, (peer, fcntl.LOCK_UN)).start()
+        with lock:
+            assert waits == [("the work queue", 7)]
+    finally:
+        os.close(peer)
 
 
 def test_arena_never_uses_what_someone_else_put_there(runtime_dir: Path, one_process_group,
