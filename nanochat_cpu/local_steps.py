@@ -314,12 +314,13 @@ class SteppingPlan:
                         f"the background, pseudo_grad_norm={math.sqrt(outer.landed.norm_sq):.4f}")
         log(env, f"outer step {diloco.outer_steps} at step {step:05d}: sync_s={outer.sync_s:.2f} "
                  f"wait_s={outer.wait_s:.2f} sent_mb={outer.sent_bytes / 1e6:.1f} H={schedule.every} {how}")
-        metrics = {"outer_step": diloco.outer_steps, "outer_sync_s": outer.sync_s, "outer_wait_s": outer.wait_s,
-                   "outer_sent_mb": outer.sent_bytes / 1e6}
+        metrics = {"outer/outer_step": diloco.outer_steps, "outer/outer_sync_s": outer.sync_s,
+                   "outer/outer_wait_s": outer.wait_s, "outer/outer_sent_mb": outer.sent_bytes / 1e6}
         if math.isfinite(outer.pseudo_grad_norm):
-            metrics["pseudo_grad_norm"] = outer.pseudo_grad_norm
+            metrics["outer/pseudo_grad_norm"] = outer.pseudo_grad_norm
         if outer.background_s or outer.landed is not None:
-            metrics["outer_background_s"] = outer.landed.took_s if outer.landed is not None else outer.background_s
+            metrics["outer/outer_background_s"] = (outer.landed.took_s if outer.landed is not None
+                                                   else outer.background_s)
         tracker.log_metrics(metrics, step)
         return outer
 
@@ -355,8 +356,8 @@ class SteppingPlan:
             norm = math.sqrt(landed.norm_sq)
             log(env, f"outer step {diloco.outer_steps} landed at step {step:05d}: after {landed.took_s:.2f}s in the "
                      f"background, waited {wait_s:.2f}s, pseudo_grad_norm={norm:.4f}")
-            tracker.log_metrics({"outer_background_s": landed.took_s, "outer_wait_s": wait_s,
-                                 "pseudo_grad_norm": norm}, step)
+            tracker.log_metrics({"outer/outer_background_s": landed.took_s, "outer/outer_wait_s": wait_s,
+                                 "outer/pseudo_grad_norm": norm}, step)
         return wait_s
 
 

@@ -29,7 +29,7 @@ from .dist import DistEnv, log
 STATUS_FILE = "status.json"
 VERSION = 1
 KEPT_ON_RESUME = ("step", "loss", "tok_per_s", "mfu", "elapsed_s", "eta_s", "elapsed", "eta", "val_bpb", "val_step",
-                  "verdict", "sample")
+                  "verdict", "sample", "mlflow_charts")
 
 
 def out_of_the_group(earlier: dict, nodes: list[int] | None) -> dict[str, dict]:
@@ -61,6 +61,8 @@ class RunStatus:
             "tok_per_s": None, "mfu": None, "step_s": None, "elapsed_s": None, "eta_s": None, "elapsed": None,
             "eta": None,
             "val_bpb": None, "val_step": None, "verdict": None, "sample": None, "updated": None,
+            # the link to the run's charts in MLflow (rank 0's, once its store started the run)
+            "mlflow_charts": None,
             # an elastic launch: the inventory places out of the group now that were in it, each
             # with the step and time of the last status written while it was ({"2": {"step": 48, ...}})
             "left": {},

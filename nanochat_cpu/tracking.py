@@ -11,6 +11,11 @@ when the queue is full the oldest metric batches go (counted, and said when the 
 A run started while the server was down is started in MLflow when it answers. A resumed run
 keeps logging to the same MLflow run (its id is stored in the checkpoints).
 
+The run's page: metrics are named `<section>/<name>`, and MLflow draws each section apart, sorted
+by name: `loss/` (train_loss, val_bpb) first, then `optimizer/`, `outer/` (local steps' syncs),
+`ranks/` (each rank's times), `speed/` and `time/`. The experiment is marked as model training
+(KIND_TAG), and the log line that starts the run gives the link to its charts (CHARTS_PAGE).
+
 Credentials: MLflow's client reads MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD itself;
 nothing here reads or logs them, and a URI is logged without any user:password@ in it.
 """
@@ -29,6 +34,11 @@ from .config import TrainConfig
 from .dist import DistEnv, log
 
 EXPERIMENT = "nanochat_cpu"
+# MLflow 3 opens an experiment on its GenAI pages (traces, "Evaluation runs") unless told it holds
+# model training: the experiment's kind, and the page's `workflowType`, which a link must carry
+KIND_TAG, KIND = "mlflow.experimentKind", "custom_model_development"
+CHARTS_PAGE = "#/experiments/{experiment}/runs/{run}/model-metrics?workflowType=machine_learning"
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store unless told otherwise
 FLUSH_SECONDS = 10.0  # metrics are batched: one sqlite/HTTP write per flush, not per step
 RETRY_SECONDS = 10.0  # while the store does not answer, the worker tries its oldest job again this often
 MAX_QUEUED_BATCHES = 360  # an hour of flushes kept while the server is away; then the oldest go
@@ -42,6 +52,14 @@ AUTH_FIX = ("fix: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD to a
 
 def default_tracking_uri(out_dir: str) -> str:
     return "sqlite:///" + os.path.abspath(os.path.join(out_dir, "mlflow.db"))
+
+
+def charts_link(uri: str, page: str) -> str:
+    """Where a user opens the run's charts: the server's page, or a local store's command and page."""
+    shown = shown_uri(uri)
+    if shown.startswith(("http://", "https://")):
+        return f"{shown.rstrip('/')}/{page}"
+    return f"`mlflow ui --backend-store-uri {shown}`, then {LOCAL_UI}/{page}"
 
 
 def shown_uri(uri: str) -> str:
@@ -80,6 +98,7 @@ class Tracker:
     def __init__(self, cfg: TrainConfig, env: DistEnv, resume_run_id: str | None):
         self.env = env
         self._run_id = resume_run_id
+        self.charts_page: str | None = None  # CHARTS_PAGE for this run, once the store started it
         self._pending: list[tuple[str, float, int, int]] = []
         self._last_flush = time.monotonic()
         self._waited = False  # whether run_id waited for the start already
@@ -111,6 +130,11 @@ class Tracker:
             self._waited = True  # a store that does not answer costs this wait once, not every checkpoint
             self._start_tried.wait(request_timeout())  # a fresh local store takes seconds to create
         return self._run_id
+
+    @property
+    def charts(self) -> str | None:
+        """Where the user opens this run's charts (charts_link), once the store started the run."""
+        return charts_link(self.uri, self.charts_page) if self.enabled and self.charts_page else None
 
     def log_params(self, params: dict[str, Any]) -> None:
         if self.enabled:
@@ -230,7 +254,7 @@ class Tracker:
         if resume_run_id:
             try:
                 client.update_run(resume_run_id, status="RUNNING")
-                log(self.env, f"MLflow: run {resume_run_id} {where} (resumed)")
+                self._opened(client.get_run(resume_run_id).info.experiment_id, resume_run_id, f"{where} (resumed)")
                 return resume_run_id
             except MlflowException as exc:
                 if http_status(exc) != 404:
@@ -238,10 +262,19 @@ class Tracker:
                 log(self.env, f"WARNING: MLflow: run {resume_run_id} of the checkpoint is not {where}; "
                               f"starting a new run")
         experiment = client.get_experiment_by_name(EXPERIMENT)
-        experiment_id = experiment.experiment_id if experiment else client.create_experiment(EXPERIMENT)
+        if experiment is None:
+            experiment_id = client.create_experiment(EXPERIMENT, tags={KIND_TAG: KIND})
+        else:
+            experiment_id = experiment.experiment_id
+            if experiment.tags.get(KIND_TAG) != KIND:  # made by an older version, or by hand
+                client.set_experiment_tag(experiment_id, KIND_TAG, KIND)
         run = client.create_run(experiment_id, start_time=started_ms, run_name=run_name, tags=resolve_tags())
-        log(self.env, f"MLflow: run {run.info.run_id} {where}")
+        self._opened(experiment_id, run.info.run_id, where)
         return run.info.run_id
+
+    def _opened(self, experiment_id: str, run_id: str, where: str) -> None:
+        self.charts_page = CHARTS_PAGE.format(experiment=experiment_id, run=run_id)
+        log(self.env, f"MLflow: run {run_id} {where}; its charts: {self.charts}")
 
     def _went_down(self, exc: BaseException, status: int) -> None:
         if self._down:

@@ -188,13 +188,20 @@ def log_step(cfg: TrainConfig, env: DistEnv, tracker: Tracker, status: RunStatus
         log(env, f"{progress.line_head()} loss={train_loss:.4f} lrm={mult:.3f} {timing}")
     else:  # every node's journal shows its own ranks' progress; rank_loss: this rank's batch only
         log(env, f"{progress.line_head()} rank_loss={train_loss:.4f} {timing}")
-    tracker.log_metrics({"train_loss": train_loss, "tok_per_s": tok_per_s, "mfu": mfu, "lr_mult": mult,
-                         "step_ms": dt * 1000, "compute_ms": t_compute * 1000,
-                         "comm_wait_ms": comm_wait * 1000, "elapsed_s": progress.elapsed_s,
-                         "eta_s": progress.eta_s}, progress.step)
+    tracker.log_metrics({"loss/train_loss": train_loss, "speed/tok_per_s": tok_per_s, "speed/mfu": mfu,
+                         "optimizer/lr_mult": mult, "speed/step_ms": dt * 1000, "speed/compute_ms": t_compute * 1000,
+                         "speed/comm_wait_ms": comm_wait * 1000, "time/elapsed_s": progress.elapsed_s,
+                         "time/eta_s": progress.eta_s}, progress.step)
     status.update(state="training", step=progress.step, loss=train_loss, tok_per_s=tok_per_s, mfu=mfu,
                   step_s=round(dt, 3), elapsed_s=progress.elapsed_s, eta_s=progress.eta_s,
-                  elapsed=human_duration(progress.elapsed_s), eta=human_duration(progress.eta_s))
+                  elapsed=human_duration(progress.elapsed_s), eta=human_duration(progress.eta_s),
+                  **charts_field(tracker))
+
+
+def charts_field(tracker: Tracker) -> dict[str, str]:
+    """The status file's link to the run's charts, once the store started the run (else nothing, so
+    a resumed run's link stays)."""
+    return {"mlflow_charts": tracker.charts} if tracker.charts else {}
 
 
 def log_sample(env: DistEnv, model: GPT, tokenizer: Tokenizer, step: int) -> str:
@@ -416,7 +423,7 @@ def at_boundary(t: Training, step: int, stopping: bool, timed: tuple[list[int], 
         bpb = evaluate_bpb(t.model, cfg, env, t.ranks.tokenizer, t.ranks.token_bytes, t.ctx, watchdog, step)
         if env.master:
             log(env, f"eval step {step:05d} val_bpb={bpb:.4f}")
-        t.tracker.log_metrics({"val_bpb": bpb}, step)
+        t.tracker.log_metrics({"loss/val_bpb": bpb}, step)
         t.status.update(val_bpb=bpb, val_step=step)
     if env.master and cfg.sample_every != NEVER and (schedule.due(cfg.sample_every, step) or last):
         t.status.update(sample=log_sample(env, t.model, t.ranks.tokenizer, step))
@@ -525,13 +532,13 @@ def run(cfg: TrainConfig) -> int:
         log(env, f"stopped by SIGTERM after step {step} of {cfg.num_iterations}, {kept}: the run resumes there "
                  f"when it is started again (train.yml), losing no step; peak RSS {peak_rss_mib():.0f} MiB")
         t.tracker.finish("KILLED")
-        t.status.update(state="stopped")
+        t.status.update(state="stopped", **charts_field(t.tracker))
         t.status.flush()
         code = EXIT_STOPPED
     else:
         log(env, f"done: {step} steps, peak RSS {peak_rss_mib():.0f} MiB")
         t.tracker.finish()
-        t.status.update(state="done")
+        t.status.update(state="done", **charts_field(t.tracker))  # a short run may end before its store started it
         t.status.flush()
         code = 0
     if env.distributed:

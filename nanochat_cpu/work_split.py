@@ -252,9 +252,10 @@ def log_rank_timings(cfg: TrainConfig, env: DistEnv, tracker: Tracker, step: int
     halvable = "float32" in (cfg.grad_comm_dtype, cfg.param_comm_dtype)
     slower, line = throughput.verdict(est, timings, cfg.total_batch_size, sum(sizes) * cfg.max_seq_len, local_steps,
                                       halvable)
-    tracker.log_metrics({**{f"{k}_ms_rank{r}": float(t[i]) * 1000 for r, t in enumerate(everyone)
+    tracker.log_metrics({**{f"ranks/{k}_ms_rank{r}": float(t[i]) * 1000 for r, t in enumerate(everyone)
                             for i, k in enumerate(("compute", "comm_wait"))},
-                         "vs_fastest_node_est": est.vs_fastest, "slower_than_one_node": float(slower)}, step)
+                         "speed/vs_fastest_node_est": est.vs_fastest, "speed/slower_than_one_node": float(slower)},
+                        step)
     if step <= warm_up_until:
         log(env, f"synchronous warm-up to step {warm_up_until}: cluster {est.cluster_tok_per_s:,.0f} tok/s = "
                  f"{est.vs_fastest:.2f}x what its fastest node would do alone (est.); the speed verdict follows "

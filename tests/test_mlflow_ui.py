@@ -1,7 +1,8 @@
-"""The curves a user opens: the MLflow UI the demo prints (`mlflow ui --backend-store-uri sqlite:///...`),
-over the store of a short real training run, in a real headless Chromium. The page is reached the way a
-person clicks to it (home, Model training, the experiment, the run, Model metrics) and the charts are
-read from what the browser rendered: the SVG markers of each curve and the pixels of the screenshot.
+"""The curves a user opens: the link to the run's charts that the trainer prints (and status.yml
+repeats), over the store of a short real training run, in a real headless Chromium, behind the
+`mlflow ui --backend-store-uri sqlite:///...` the link names. The page must be MLflow's model-training
+view (not its GenAI "Evaluation runs"), its first charts the train loss and val bpb, and the charts
+are read from what the browser rendered: the SVG markers of each curve and the pixels of the screenshot.
 
 The browser is the system's chromium (`make setup` installs it: cluster/host_setup.sh), driven by
 playwright from the venv; set NANOCHAT_UI_SCREENSHOT_DIR to keep the screenshot where a person can look.
@@ -9,7 +10,9 @@ playwright from the venv; set NANOCHAT_UI_SCREENSHOT_DIR to keep the screenshot 
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,6 +20,7 @@ import sys
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from io import BytesIO
 from pathlib import Path
 
@@ -26,13 +30,15 @@ from mlflow.entities import Metric
 from mlflow.tracking import MlflowClient
 from PIL import Image
 
-from nanochat_cpu.tracking import EXPERIMENT
+from nanochat_cpu.run_status import STATUS_FILE
+from nanochat_cpu.tracking import EXPERIMENT, LOCAL_UI
 from tests.trainer_runs import REPO, free_port, kill_tree, node_env, tiny_flags, train_target
 
 STEPS = 6
 EVAL_EVERY = 2  # val_bpb at steps 2, 4 and 6: a curve, not a dot
 UI_TIMEOUT_MS = 60_000  # the UI's first load parses megabytes of JavaScript: slow on 2 busy cores
-NOT_LOGGED = "outer_sync_s"  # logged with local steps only; this run syncs every step
+NOT_LOGGED = "outer/outer_sync_s"  # logged with local steps only; this run syncs every step
+TRAIN_LOSS, VAL_BPB = "loss/train_loss", "loss/val_bpb"
 # MLflow sends usage telemetry unless told not to: no calls out of a test machine that may have no internet
 NO_TELEMETRY = {"MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"}
 FIX = "install it with `make setup` (cluster/host_setup.sh installs chromium, requirements-dev.txt playwright)"
@@ -40,9 +46,15 @@ FIX = "install it with `make setup` (cluster/host_setup.sh installs chromium, re
 
 # ---- a real run, its store and the UI over it ----------------------------------------------------------
 
+@dataclass
+class LoggedRun:
+    store: str  # the sqlite store's URI
+    link: str  # the page of the run's charts, as the trainer's log line and status file give it
+
+
 @pytest.fixture(scope="module")
-def store(tiny_data_dir: Path, tiny_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> str:
-    """The sqlite store a short single-process training run logged to."""
+def logged_run(tiny_data_dir: Path, tiny_tokenizer_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> LoggedRun:
+    """A short single-process training run's sqlite store, and the link to its charts it printed."""
     out = tmp_path_factory.mktemp("ui_run")
     uri = "sqlite:///" + str(out / "mlflow.db")
     flags = tiny_flags(tiny_data_dir, tiny_tokenizer_dir, out, tracking_uri=uri, num_iterations=STEPS,
@@ -50,7 +62,18 @@ def store(tiny_data_dir: Path, tiny_tokenizer_dir: Path, tmp_path_factory: pytes
     proc = subprocess.run([sys.executable, *train_target(*flags)], env={**node_env(), **NO_TELEMETRY},
                           capture_output=True, text=True, timeout=180, cwd=REPO)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    return uri
+    said = re.search(r"its charts: (`mlflow ui --backend-store-uri \S+`, then \S+)", proc.stdout)
+    assert said, proc.stdout
+    status = json.loads((out / STATUS_FILE).read_text())
+    assert status["mlflow_charts"] == said[1]  # what status.yml's summary shows
+    command, page = said[1].split(", then ")
+    assert command == f"`mlflow ui --backend-store-uri {uri}`" and page.startswith(LOCAL_UI + "/#/")
+    return LoggedRun(uri, page.removeprefix(LOCAL_UI + "/"))
+
+
+@pytest.fixture(scope="module")
+def store(logged_run: LoggedRun) -> str:
+    return logged_run.store
 
 
 @pytest.fixture(scope="module")
@@ -100,24 +123,43 @@ def browser():
         launched.close()
 
 
-@pytest.fixture(scope="module")
-def metrics_page(browser, ui_url: str):
-    """The run's Model metrics tab, reached by clicking as a user does."""
+def open_link(browser, ui_url: str, link: str):
     page = browser.new_page(viewport={"width": 1400, "height": 1000})
     page.set_default_timeout(UI_TIMEOUT_MS)
-    page.goto(ui_url)
-    page.get_by_text("Model training", exact=True).click()  # the home page opens on GenAI
-    page.get_by_role("link", name=EXPERIMENT, exact=True).first.click()
-    page.get_by_role("link", name="test", exact=True).click()  # the run, by its --run-name
-    page.get_by_role("tab", name="Model metrics").click()
+    page.goto(f"{ui_url}/{link}")
     return page
+
+
+@pytest.fixture(scope="module")
+def metrics_page(browser, ui_url: str, logged_run: LoggedRun):
+    """The page the printed link opens, once its charts are there."""
+    page = open_link(browser, ui_url, logged_run.link)
+    page.get_by_test_id("experiment-view-compare-runs-card").first.wait_for()
+    return page
+
+
+def view(page) -> str:
+    """Which of MLflow's views the page shows, by the experiment's links in its side bar."""
+    page.get_by_role("link", name="Traces", exact=True).first.wait_for()  # in both views' side bars
+    if page.get_by_role("link", name="Evaluation runs", exact=True).count():
+        return "GenAI"
+    runs = page.get_by_role("link", name="Runs", exact=True)
+    return "model training" if runs.count() else "neither"
+
+
+def chart_titles(page) -> list[str]:
+    """The titles of the charts, in the order the page shows them (top to bottom, left to right)."""
+    cards = page.get_by_test_id("experiment-view-compare-runs-card")
+    return cards.evaluate_all("cs => cs.map(c => [c.getBoundingClientRect().top, c.getBoundingClientRect().left,"
+                              " (c.querySelector('h4') || {}).innerText || ''])"
+                              ".sort((a, b) => a[0] - b[0] || a[1] - b[1]).map(c => c[2])")
 
 
 # ---- reading a chart off the rendered page -------------------------------------------------------------
 
 def chart(page, metric: str):
-    """The chart card titled `metric`; fails at once when the page has none."""
-    title = page.get_by_role("heading", name=metric, exact=True)
+    """The chart card of `metric` (titled with its name within its section); fails at once when the page has none."""
+    title = page.get_by_role("heading", name=metric.split("/")[-1], exact=True)
     card = page.get_by_test_id("experiment-view-compare-runs-card").filter(has=title)
     assert card.count() == 1, f"the run's Model metrics tab has no chart for {metric}"
     return card
@@ -165,12 +207,28 @@ def history(store: str, metric: str) -> list[Metric]:
 
 # ---- the checks ----------------------------------------------------------------------------------------
 
+def test_the_printed_link_opens_the_model_training_view_on_loss_and_val_bpb(metrics_page):
+    assert view(metrics_page) == "model training"
+    assert chart_titles(metrics_page)[:2] == ["train_loss", "val_bpb"], chart_titles(metrics_page)
+
+
+def test_the_check_of_the_view_can_fail(browser, ui_url, logged_run):
+    """The same page without the link's workflowType is MLflow's GenAI view (a fresh browser's default):
+    view() tells them apart."""
+    page = open_link(browser, ui_url, logged_run.link.split("?")[0])
+    try:
+        page.get_by_test_id("experiment-view-compare-runs-card").first.wait_for()
+        assert view(page) == "GenAI"
+    finally:
+        page.close()
+
+
 def test_the_run_page_draws_the_train_loss_and_val_bpb_curves(metrics_page, store, tmp_path):
-    train_loss, val_bpb = history(store, "train_loss"), history(store, "val_bpb")
+    train_loss, val_bpb = history(store, TRAIN_LOSS), history(store, VAL_BPB)
     assert len(train_loss) == STEPS and len(val_bpb) == STEPS // EVAL_EVERY
     try:
-        assert_chart_draws(metrics_page, "train_loss", train_loss)
-        assert_chart_draws(metrics_page, "val_bpb", val_bpb)
+        assert_chart_draws(metrics_page, TRAIN_LOSS, train_loss)
+        assert_chart_draws(metrics_page, VAL_BPB, val_bpb)
     finally:  # what the user would see, pass or fail
         shot = tmp_path / "mlflow-run-model-metrics.png"
         metrics_page.screenshot(path=str(shot))
@@ -180,17 +238,27 @@ def test_the_run_page_draws_the_train_loss_and_val_bpb_curves(metrics_page, stor
             shutil.copy(shot, keep / shot.name)
 
 
+def test_every_metric_has_a_section_and_the_experiment_is_model_training(store):
+    """A metric without a `section/` lands in a catch-all section after the others; the experiment's
+    kind tells MLflow what it holds."""
+    client = MlflowClient(tracking_uri=store)
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    assert experiment.tags.get("mlflow.experimentKind") == "custom_model_development"
+    [run] = client.search_runs([experiment.experiment_id])
+    assert run.data.metrics and all("/" in name for name in run.data.metrics), sorted(run.data.metrics)
+
+
 def test_a_chart_that_does_not_draw_the_run_fails_the_check(metrics_page, store):
     """The check can fail: a metric this run never logged has no chart, and the train_loss chart does
     not pass for the run's losses in reverse order (same steps, same count, other values)."""
-    train_loss = history(store, "train_loss")
-    assert_chart_draws(metrics_page, "train_loss", train_loss)  # the page is drawn: not a race
+    train_loss = history(store, TRAIN_LOSS)
+    assert_chart_draws(metrics_page, TRAIN_LOSS, train_loss)  # the page is drawn: not a race
     assert not history(store, NOT_LOGGED)
     with pytest.raises(AssertionError, match=f"no chart for {NOT_LOGGED}"):
         chart(metrics_page, NOT_LOGGED)
     backwards = [Metric(m.key, r.value, m.timestamp, m.step) for m, r in zip(train_loss, train_loss[::-1], strict=True)]
     with pytest.raises(AssertionError, match="px off a linear y axis|y axis runs the wrong way"):
-        assert_chart_draws(metrics_page, "train_loss", backwards)
+        assert_chart_draws(metrics_page, TRAIN_LOSS, backwards)
 
 
 def test_the_run_starts_when_training_does(store):
@@ -198,6 +266,6 @@ def test_the_run_starts_when_training_does(store):
     sqlite store first answered (seconds later, near the end of a short run)."""
     client = MlflowClient(tracking_uri=store)
     [run] = client.search_runs([client.get_experiment_by_name(EXPERIMENT).experiment_id])
-    steps = [m.timestamp for m in history(store, "train_loss")]
+    steps = [m.timestamp for m in history(store, TRAIN_LOSS)]
     assert run.info.start_time <= min(steps)
     assert run.info.end_time - run.info.start_time >= max(steps) - min(steps)

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient
 from nanochat_cpu import tracking
 from nanochat_cpu.config import TrainConfig
 from nanochat_cpu.dist import DistEnv
-from nanochat_cpu.tracking import Tracker, finish_seconds, shown_uri
+from nanochat_cpu.tracking import Tracker, charts_link, finish_seconds, shown_uri
 from tests.trainer_runs import losses, run_torchrun, tiny_flags, train_target
 
 STEP_BOUND_S = 0.2  # what one log call may cost the step loop
@@ -232,6 +232,14 @@ def test_refused_credentials_get_one_clear_warning_without_them(tmp_path, capsys
     assert out.count("WARNING: MLflow refused the credentials (HTTP 401)") == 1
     assert "fix: set MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD" in out
     assert SECRET not in out and f"http://***@127.0.0.1:{server.server_port}" in out
+
+
+def test_the_charts_link_is_the_servers_page_or_a_local_stores_command_and_page():
+    page = "#/experiments/3/runs/ab12/model-metrics?workflowType=machine_learning"
+    assert charts_link("http://u:p@10.0.0.1:5000/", page) == f"http://***@10.0.0.1:5000/{page}"
+    assert charts_link("https://mlflow.lan", page) == f"https://mlflow.lan/{page}"
+    assert charts_link("sqlite:////srv/runs/d4/mlflow.db", page) == \
+        f"`mlflow ui --backend-store-uri sqlite:////srv/runs/d4/mlflow.db`, then http://127.0.0.1:5000/{page}"
 
 
 def test_shown_uri_hides_credentials_only():

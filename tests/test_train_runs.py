@@ -80,7 +80,8 @@ def test_two_ranks_train_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_
     with sqlite3.connect(db) as con:
         names = {r[0] for r in con.execute("select name from runs")}
         metrics = {r[0] for r in con.execute("select distinct key from metrics")}
-    assert names == {"test"} and {"train_loss", "tok_per_s", "mfu", "val_bpb", "vs_fastest_node_est"} <= metrics
+    assert names == {"test"} and {"loss/train_loss", "speed/tok_per_s", "speed/mfu", "loss/val_bpb",
+                                  "speed/vs_fastest_node_est", "ranks/comm_wait_ms_rank1"} <= metrics
     # whether two ranks beat one alone is said once at the first timing step (docs/FAILURES.md row 16),
     # and again at the end for the run's summary
     # (both ranks on this host: the comparison is with this host as one process, not with one rank)

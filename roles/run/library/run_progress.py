@@ -76,6 +76,12 @@ left:
     (an elastic launch; empty otherwise).
   type: dict
   returned: always
+mlflow_charts:
+  description: Where the run's charts open in MLflow (the server's page, or a local store's
+    C(mlflow ui) command and page), as rank 0 wrote it once its store started the run; empty
+    before that, on other nodes, and without MLflow.
+  type: str
+  returned: always
 progress:
   description: One line, e.g. C(d8 step 120/500 (24.0%) loss 4.1000 | 912 tok/s | elapsed 3.2m eta 10.1m).
   type: str
@@ -206,6 +212,7 @@ def main() -> None:
         status=status,
         verdict=status.get("verdict") or "",
         sample=status.get("sample") or "",
+        mlflow_charts=status.get("mlflow_charts") or "",
         last_line=last_line(module, run),
         phase=doing,
         nodes=status.get("nodes"),
