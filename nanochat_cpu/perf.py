@@ -105,6 +105,15 @@ def measure_matmul_peak(device: torch.device, dtype: torch.dtype, seconds: float
     return 2 * n**3 * iters / (time.perf_counter() - t0)
 
 
+def unused_gpu(device: torch.device) -> tuple[str, float] | None:
+    """A CUDA GPU of this host that a CPU run leaves idle: its name and bf16 matmul peak in FLOP/s
+    (what it would train with). None where the run is on the GPU or torch sees none."""
+    if device.type != "cpu" or not torch.cuda.is_available():
+        return None
+    gpu = torch.device("cuda", 0)
+    return torch.cuda.get_device_name(gpu), measure_matmul_peak(gpu, torch.bfloat16)
+
+
 def sync(device: torch.device) -> None:
     """Wait for the work queued on the device's compute stream (CUDA; a CPU runs it in place).
     Not the whole device: collectives running on NCCL's own streams are joined by Work.wait()."""

@@ -63,6 +63,8 @@ class RunStatus:
             "val_bpb": None, "val_step": None, "verdict": None, "sample": None, "updated": None,
             # the link to the run's charts in MLflow (rank 0's, once its store started the run)
             "mlflow_charts": None,
+            # this node's CUDA GPU that a CPU run leaves idle, with both measured peaks (or None)
+            "gpu_note": None,
             # an elastic launch: the inventory places out of the group now that were in it, each
             # with the step and time of the last status written while it was ({"2": {"step": 48, ...}})
             "left": {},

@@ -38,7 +38,7 @@ from .dist import EXIT_CONFIG, EXIT_MISMATCH, EXIT_STOPPED, DistEnv, Watchdog, c
 from .local_steps import SteppingPlan
 from .model import GPT, flops_per_token, model_config_from, parameter_breakdown
 from .optim import MuonAdamW, build_optimizer
-from .perf import measure_matmul_peak, peak_rss_mib, sync
+from .perf import measure_matmul_peak, peak_rss_mib, sync, unused_gpu
 from .precision import autocast_for
 from .progress import PhaseTimes, Progress, StepClock, human_duration
 from .run_state import RunState
@@ -198,6 +198,24 @@ def log_step(cfg: TrainConfig, env: DistEnv, tracker: Tracker, status: RunStatus
                   **charts_field(tracker))
 
 
+def unused_gpu_note(env: DistEnv, cpu_peak: float, cpu_dtype: torch.dtype) -> str | None:
+    """What a user whose CPU run leaves this host's GPU idle should know, with both measured peaks;
+    the run keeps the device it was given. A GPU that cannot even be measured is said as such."""
+    try:
+        found = unused_gpu(env.device)
+    except Exception as exc:  # noqa: BLE001 - a broken driver must not stop a CPU run
+        return (f"this host ({env.host}) has a CUDA GPU that torch sees but could not measure "
+                f"({type(exc).__name__}: {str(exc)[:200]}); the run trains on CPU")
+    if found is None:
+        return None
+    name, gpu_peak = found
+    return (f"this host ({env.host}) has a CUDA GPU, {name}, that this run leaves idle: it trains on CPU "
+            f"(--device cpu). Measured matmul peaks: GPU {gpu_peak / 1e9:,.0f} GFLOP/s (bfloat16), CPU "
+            f"{cpu_peak / 1e9:,.0f} GFLOP/s per rank ({str(cpu_dtype).removeprefix('torch.')}). To train on "
+            f"it: train_device: cuda with a CUDA torch_variant for this host in the inventory, then site.yml "
+            f"and train.yml (docs/INVENTORY.md)")
+
+
 def charts_field(tracker: Tracker) -> dict[str, str]:
     """The status file's link to the run's charts, once the store started the run (else nothing, so
     a resumed run's link stays)."""
@@ -309,7 +327,11 @@ def build(cfg: TrainConfig, ranks: Ranks) -> Training:
     plan.begin(model, opt, sizes, saved, start_step, local_now)
     status = RunStatus(cfg.out_dir, cfg.run_name, env, cfg.num_iterations, writes=disks.writer(env.rank),
                        resumed=start_step > 0)
-    status.update(state="starting")
+    # one rank per node (its status file's writer) says so when the node's GPU sits idle
+    gpu_note = unused_gpu_note(env, peak, ranks.ctx_dtype) if disks.writer(env.rank) else None
+    if gpu_note:
+        log(env, f"NOTE: {gpu_note}")
+    status.update(state="starting", gpu_note=gpu_note)
     return Training(cfg, ranks, model, opt, loader, tracker, plan, disks, background, compiling, status, ctx, fpt,
                     peak, start_step, run_id, terms.data_sha, sizes, accum, fixed_rows, split,
                     StopBudget(shutdown_budget_s()),

@@ -95,6 +95,7 @@ def test_two_ranks_train_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_
     assert status["loss"] == pytest.approx(full[12], abs=1e-4)
     assert status["val_bpb"] == pytest.approx(last_bpb, abs=1e-4)
     assert status["verdict"].startswith("at the end: ") and status["sample"].startswith("'The")
+    assert status["gpu_note"] is None and "NOTE: this host" not in first.stdout  # no GPU here: nothing to say
     assert status["eta"] == "0s" and status["tok_per_s"] > 0 and status["world_size"] == 2
 
     # crash after step 8's checkpoint: drop the newer one, as if the run died before it
@@ -311,6 +312,15 @@ def test_cuda_present_but_cpu_requested_uses_cpu_dtype_sdpa_gloo(native_ranks, d
         assert "attention=SDPA" in line
         # auto measures the CPU (or stays eager without a C++ compiler), never compiles for an unused GPU
         assert "compile=auto (auto: eager steps 2-4 are timed" in line or "compile=off (auto: no C++" in line
+    # the idle GPU is said once (one node: its status file's writer), with both measured peaks,
+    # and kept for status.yml; the run stays on the CPU
+    notes = re.findall(r"rank (\d)/2\] NOTE: (this host .*)", out)
+    assert len(notes) == 1, out
+    assert re.fullmatch(rf"this host \({re.escape(socket.gethostname())}\) has a CUDA GPU, Fake GeForce RTX 4070, "
+                        r"that this run leaves idle: it trains on CPU \(--device cpu\)\. Measured matmul peaks: "
+                        rf"GPU 29,500 GFLOP/s \(bfloat16\), CPU [\d,]+ GFLOP/s per rank \({dtype}\)\. To train on it: "
+                        r"train_device: cuda .*", notes[0][1]), notes[0][1]
+    assert json.loads((tmp_path / "status.json").read_text())["gpu_note"] == notes[0][1]
 
 
 # The tolerance docs/TRAINER.md states for `--dtype auto` choosing bf16 on CPU: at every step the

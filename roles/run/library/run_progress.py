@@ -82,6 +82,11 @@ mlflow_charts:
     before that, on other nodes, and without MLflow.
   type: str
   returned: always
+gpu_note:
+  description: This node's CUDA GPU that the run, training on CPU, leaves idle, with both devices'
+    measured matmul peaks, as the node's trainer said it at its start; empty where there is none.
+  type: str
+  returned: always
 progress:
   description: One line, e.g. C(d8 step 120/500 (24.0%) loss 4.1000 | 912 tok/s | elapsed 3.2m eta 10.1m).
   type: str
@@ -213,6 +218,7 @@ def main() -> None:
         verdict=status.get("verdict") or "",
         sample=status.get("sample") or "",
         mlflow_charts=status.get("mlflow_charts") or "",
+        gpu_note=status.get("gpu_note") or "",
         last_line=last_line(module, run),
         phase=doing,
         nodes=status.get("nodes"),
