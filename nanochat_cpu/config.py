@@ -437,12 +437,20 @@ def host_problems(cfg: TrainConfig, create: bool = True) -> list[str]:
             return problems + [f"--out-dir={cfg.out_dir}: cannot create it ({exc.strerror}); point it at a "
                                f"writable directory"]
     else:
-        while not os.path.isdir(where) and os.path.dirname(where) != where:
-            where = os.path.dirname(os.path.abspath(where))
+        where = nearest_existing_dir(cfg.out_dir)
     if not os.access(where, os.W_OK | os.X_OK):
         problems.append(f"--out-dir={cfg.out_dir}: {where} is not writable by uid {os.getuid()}; fix its owner "
                         f"(the unit runs as user nanochat) or point it elsewhere")
     return problems
+
+
+def nearest_existing_dir(path: str) -> str:
+    """`path` where it is a directory, else its nearest ancestor that is: what a directory not made
+    yet will be on (its disk, its permissions)."""
+    where = os.path.abspath(path)
+    while not os.path.isdir(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    return where
 
 
 def suggest(cfg: TrainConfig, unit: int, even: bool, world_size: int) -> str:

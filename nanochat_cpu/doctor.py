@@ -234,6 +234,7 @@ def disk_space_problem(cfg, model, steps: list[int]) -> str | None:
     import shutil
 
     from . import checkpoint_files
+    from .config import nearest_existing_dir
 
     def step_bytes(step: int) -> int:
         """0 for a step pruned meanwhile (with restart=true the old run trains on through the preflight)."""
@@ -253,10 +254,7 @@ def disk_space_problem(cfg, model, steps: list[int]) -> str | None:
         weights = sum(v.numel() * v.element_size() for v in model.state_dict().values())
         size, how = int(weights * CHECKPOINT_PER_WEIGHT_BYTE), "estimated from the model's weights"
     need = (cfg.keep_checkpoints + 1) * size - held
-    where = cfg.out_dir
-    while not os.path.isdir(where) and os.path.dirname(os.path.abspath(where)) != where:
-        where = os.path.dirname(os.path.abspath(where))
-    free = shutil.disk_usage(where).free
+    free = shutil.disk_usage(nearest_existing_dir(cfg.out_dir)).free
     if free >= need:
         return None
     return (f"--out-dir={cfg.out_dir}: {free / 2**20:,.0f} MiB free on its disk, but the run's checkpoints need "

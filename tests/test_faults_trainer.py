@@ -274,21 +274,13 @@ def test_a_disk_that_stops_answering_in_a_checkpoint_is_named_within_the_watchdo
     no timeout of the write's own). Its watchdog names the write, the host and what to look at
     once --collective-timeout 5 + 30 s have passed, and exits 4 (the unit restarts and resumes);
     rank 0, waiting for rank 1's verdict on its write, exits too. Nothing past 4 is sealed."""
-    port = free_port()
     env = {**node_env(), "FAULT_RANK": "1", "FAULT_STEP": "8", "FAULT_FILE": "rank1.pt", "FAULT_MODE": "hang"}
-    nodes = [spawn_node(2, rank, port, [FAULT_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir,
-                                                                 tmp_path / f"node{rank}", collective_timeout=5)],
-                        env=env) for rank in range(2)]
-    t0 = time.monotonic()
-    (code0, out0, _), (code1, out1, _) = [finish(p, timeout=180) for p in nodes]
-    assert time.monotonic() - t0 < 120
-    assert "FAULT: the disk stops answering" in out1, out1
-    stalled = re.search(r"FATAL: stuck (\d+)s \(bound 35s, --collective-timeout\) writing checkpoint step 8 to "
-                        r"\S+step_000008 at step 8 on \S+: no byte reached the disk in that time, it does not answer\. "
-                        r"Fix: look at the disk under",
-                        out1)
-    assert stalled and int(stalled.group(1)) >= 35 and code1 == collective_exit(), out1
-    assert code0 == collective_exit() and "FATAL" in out0 and "rank 1@" in out0, out0
+    targets = [[FAULT_TRAIN, *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"node{rank}",
+                                         collective_timeout=5)] for rank in range(2)]
+    out0, out1 = both_stop_at_the_watchdogs_bound(
+        targets, env, "FAULT: the disk stops answering",
+        r"writing checkpoint step 8 to \S+step_000008 at step 8 on \S+: no byte reached the disk in that time")
+    assert "rank 1@" in out0, out0
     for rank in range(2):
         assert checkpoint_files.complete_steps(str(tmp_path / f"node{rank}")) == [4]
 
@@ -299,20 +291,29 @@ def test_a_shard_read_that_never_returns_is_named_within_the_watchdogs_bound(tin
     its watchdog names the file, the host and what to look at once --collective-timeout 5 + 30 s
     have passed, and exits 4 (the unit restarts and resumes); rank 0, waiting in the next
     collective, exits too. Before, the read hung the rank with its unit active."""
-    port = free_port()
     env = {**node_env(), "STALL_RANK": "1", "STALL_AFTER": "3"}
     target = [str(ENTRY_POINTS / "stalled_read_train.py"),
               *tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path, collective_timeout=5, num_iterations=200)]
-    nodes = [spawn_node(2, rank, port, target, env=env) for rank in range(2)]
+    both_stop_at_the_watchdogs_bound([target, target], env, "FAULT: the read of",
+                                     r"reading \S+/shard_\d+\.parquet \(row group \d+\) on \S+: "
+                                     r"no byte came from the disk in that time")
+
+
+def both_stop_at_the_watchdogs_bound(targets: list[list[str]], env: dict, fault: str, stall: str) -> tuple[str, str]:
+    """Two ranks, rank 1's disk stops answering (`fault` says when): rank 1's watchdog says `stall`
+    at --collective-timeout 5 + 30 s with the fix and exits 4, and rank 0 exits 4 naming a FATAL
+    of its own. Returns both ranks' output."""
+    port = free_port()
+    nodes = [spawn_node(2, rank, port, target, env=env) for rank, target in enumerate(targets)]
     t0 = time.monotonic()
     (code0, out0, _), (code1, out1, _) = [finish(p, timeout=180) for p in nodes]
     assert time.monotonic() - t0 < 120
-    assert "FAULT: the read of" in out1, out1
-    stalled = re.search(r"FATAL: stuck (\d+)s \(bound 35s, --collective-timeout\) reading \S+/shard_\d+\.parquet "
-                        r"\(row group \d+\) on \S+: no byte came from the disk in that time, it does not answer\. "
+    assert fault in out1, out1
+    stalled = re.search(rf"FATAL: stuck (\d+)s \(bound 35s, --collective-timeout\) {stall}, it does not answer\. "
                         r"Fix: look at the disk under", out1)
     assert stalled and int(stalled.group(1)) >= 35 and code1 == collective_exit(), out1
     assert code0 == collective_exit() and "FATAL" in out0, out0
+    return out0, out1
 
 
 def test_a_one_process_watchdog_bounds_a_stalled_write_not_a_slow_one(tmp_path):
