@@ -1,7 +1,8 @@
 """Network misconfiguration: each stopped by the preflight naming the host, the interface or port, and the fix.
 
-A worker's train_interface wrong and another's an interface with only IPv6 (one train.yml); ufw on a
-worker dropping the Gloo range. No unit starts.
+A worker's train_interface wrong and another's an interface with only IPv6 (one train.yml); a
+worker's packet filter dropping the Gloo range behind ufw's back; ufw disabled on a worker, and a
+rule of a person's opening the rendezvous port to the LAN. No unit starts.
 """
 
 from __future__ import annotations
@@ -57,15 +58,13 @@ def test_wrong_and_ipv6_only_interfaces(cluster: Cluster, wrong_interfaces: Path
 
 @pytest.fixture
 def gloo_blocked(cluster: Cluster) -> Iterator[str]:
-    """The last worker, its ufw rules for the Gloo range (one per node address) deleted."""
+    """The last worker dropping the Gloo range in its packet filter, ahead of ufw's chains (ufw's own
+    rules are as site.yml left them: the firewall check passes, the TCP check must find it)."""
     node = cluster.workers[-1]
-    sources = [cluster.hostvars[n]["node_ipv4"] for n in cluster.nodes]
-    rules = [f"proto tcp from {source} to any port {GLOO_MIN}:{GLOO_MAX}" for source in sources]
-    for rule in rules:
-        cluster.sh(node, f"ufw delete allow {rule}")
+    rule = f"INPUT -p tcp --dport {GLOO_MIN}:{GLOO_MAX} -j DROP"
+    cluster.sh(node, f"iptables -I {rule}")
     yield node
-    for rule in rules:
-        cluster.sh(node, f"ufw allow {rule} comment 'nanochat gloo'", check=False)
+    cluster.sh(node, f"iptables -D {rule}", check=False)
 
 
 def test_gloo_range_dropped_by_ufw(cluster: Cluster, gloo_blocked: str, case_report: dict) -> None:
@@ -77,4 +76,34 @@ def test_gloo_range_dropped_by_ufw(cluster: Cluster, gloo_blocked: str, case_rep
         f"the preflight did not name {node}'s blocked Gloo port:\n{show_train_failure(out)}")
     case_report["ufw_gloo_blocked"] = {"seconds": round(took, 1), "message": line[:400]}
     log(f"blocked Gloo range stopped in {took:.0f}s: {line[:200]}")
+    assert_not_started(cluster)
+
+
+@pytest.fixture
+def firewall_loosened(cluster: Cluster) -> Iterator[tuple[str, str]]:
+    """ufw disabled on the first worker (an admin debugging); on the last, a person's rule opening
+    the rendezvous port to the whole LAN."""
+    off, loose = cluster.workers[0], cluster.workers[-1]
+    lan = cluster.subnet
+    cluster.sh(off, "ufw disable")
+    cluster.sh(loose, f"ufw allow proto tcp from {lan} to any port 29500")
+    yield off, loose
+    cluster.sh(off, "ufw --force enable", check=False)
+    cluster.sh(loose, f"ufw delete allow proto tcp from {lan} to any port 29500", check=False)
+
+
+def test_a_firewall_not_as_site_yml_left_it_is_named(cluster: Cluster, firewall_loosened: tuple[str, str],
+                                                       case_report: dict) -> None:
+    off, loose = firewall_loosened
+    lan = cluster.subnet
+    rc, out, took = cluster.playbook("train.yml", RUN.vars)
+    assert rc != 0, "train.yml started with ufw off on a node"
+    text = " ".join(out.split())
+    for node, want in ((off, "ufw is not active"), (loose, f"a rule allows 29500/tcp from {lan}, which is not a node")):
+        said = f"{node}: the firewall is not as site.yml left it: "
+        assert said in text and want in text.split(said, 1)[1][:600], (
+            f"the preflight did not say {want!r} for {node}:\n{show_train_failure(out)}")
+    assert "Fix: re-run site.yml" in text
+    case_report["ufw_disabled"] = {"seconds": round(took, 1), "message": text.split(f"{off}: the firewall", 1)[1][:300]}
+    log(f"firewall not as site.yml left it stopped in {took:.0f}s")
     assert_not_started(cluster)

@@ -74,6 +74,41 @@ def firewall_stale_rules(rule_files: list[str], wanted: list[dict]) -> list[dict
     return stale
 
 
+def _port_span(port: str) -> tuple[int, int] | None:
+    """A rule's destination port as (low, high): '29500', '40000:40999', 'any'; None if unreadable."""
+    if port == "any":
+        return 0, 65535
+    low, _, high = str(port).partition(":")
+    try:
+        return int(low), int(high or low)
+    except ValueError:
+        return None
+
+
+def firewall_rule_problems(rule_files: list[str], wanted: list[dict], some_unknown: bool = False) -> list[str]:
+    """How the rules in user.rules/user6.rules differ from `wanted` on the training ports, one line
+    each ([] when they are exactly `wanted`): a wanted rule missing, or any allow rule, ours or a
+    person's, that admits another source to one of those ports (a port range or 'any' included).
+    `some_unknown`: `wanted` lacks the nodes whose address is not known here (out of the play),
+    so our own rules from single addresses are theirs, not extra."""
+    wanted_keys = {_rule_key(rule) for rule in wanted}
+    spans = [span for rule in wanted if (span := _port_span(rule["port"]))]
+    present = [rule for text in rule_files for rule in _parse_rules(text)]
+    present_keys = {_rule_key(rule) for rule in present}
+    problems = [f"no rule allows {rule['port']}/tcp from {rule['from_ip']}" for rule in wanted
+                if _rule_key(rule) not in present_keys]
+    for rule in present:
+        span = _port_span(rule["port"])
+        reaches = span is None or any(span[0] <= high and low <= span[1] for low, high in spans)
+        theirs = (some_unknown and rule["comment"].startswith(OUR_COMMENT_PREFIX)
+                  and (net := _network(rule["from_ip"])) is not None and net.num_addresses == 1)
+        if rule["rule"] == "allow" and reaches and _rule_key(rule) not in wanted_keys and not theirs:
+            source = "anywhere" if rule["from_ip"] in ("0.0.0.0/0", "::/0", "any") else rule["from_ip"]
+            label = f" ({rule['comment']})" if rule["comment"] else ""
+            problems.append(f"a rule allows {rule['port']}/{rule['proto']} from {source}{label}, which is not a node")
+    return problems
+
+
 def firewall_source_problems(nodes: dict[str, str], clients: list[str], lan_subnet: str) -> list[str]:
     """What is wrong with the sources the role would open ports to, one line each ([] when all is well).
 
@@ -98,4 +133,5 @@ def firewall_source_problems(nodes: dict[str, str], clients: list[str], lan_subn
 
 class FilterModule:
     def filters(self) -> dict[str, Any]:
-        return {f.__name__: f for f in (firewall_training_rules, firewall_stale_rules, firewall_source_problems)}
+        return {f.__name__: f for f in (firewall_training_rules, firewall_stale_rules, firewall_rule_problems,
+                                          firewall_source_problems)}
