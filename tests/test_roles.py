@@ -388,6 +388,32 @@ def test_firewall_finds_our_stale_rules_only() -> None:
     assert [(r["port"], r["from_ip"]) for r in kept] == [("29500", "10.77.1.0/24")]
 
 
+def test_the_preflight_names_every_way_the_training_ports_differ_from_the_nodes() -> None:
+    """Missing node rules; the subnet-wide rule of earlier versions, a person's rule to any port, our
+    rule on IPv6: each named. Exactly the nodes' rules (and other ports' rules, MLflow's included): none."""
+    fw = _plugin("firewall", "firewall")
+    wanted = fw.firewall_training_rules(["10.77.1.10", "10.77.1.11"], PORTS, [])
+    exact = "\n".join(_ufw_tuple(r["port"], r["from_ip"], r["comment"]) for r in wanted)
+    others = "\n".join([_ufw_tuple("22", "0.0.0.0/0", "ssh"), _ufw_tuple("5000", "10.77.1.1", "nanochat mlflow"),
+                        _ufw_tuple("8080", "10.77.1.0/24")])
+    assert fw.firewall_rule_problems([exact, others, ""], wanted) == []
+    anything = "### tuple ### allow any any 0.0.0.0/0 any 192.168.9.9 in"  # `ufw allow from 192.168.9.9`
+    problems = fw.firewall_rule_problems([USER_RULES + "\n" + anything, USER6_RULES], wanted)
+    assert problems == [
+        "no rule allows 29500/tcp from 10.77.1.10",
+        "no rule allows 29500/tcp from 10.77.1.11",
+        "no rule allows 40000:40999/tcp from 10.77.1.11",
+        "a rule allows 29500/tcp from 10.77.1.0/24 (nanochat torchrun rendezvous), which is not a node",
+        "a rule allows 40000:40999/tcp from 10.77.1.13 (nanochat gloo), which is not a node",
+        "a rule allows any/any from 192.168.9.9, which is not a node",
+        "a rule allows 29500/tcp from fd00::/64 (nanochat torchrun rendezvous), which is not a node",
+    ], problems
+    # a node out of the play, its address unknown here: our single-address rules may be its own
+    unknown = fw.firewall_rule_problems([USER_RULES], wanted, some_unknown=True)
+    assert "a rule allows 40000:40999/tcp from 10.77.1.13 (nanochat gloo), which is not a node" not in unknown
+    assert "a rule allows 29500/tcp from 10.77.1.0/24 (nanochat torchrun rendezvous), which is not a node" in unknown
+
+
 def test_firewall_refuses_sources_off_the_lan_or_on_ipv6() -> None:
     fw = _plugin("firewall", "firewall")
     assert fw.firewall_source_problems({"node0": "10.77.1.10"}, ["10.77.1.1", "192.168.5.0/24"], "10.77.1.0/24") == []
@@ -446,6 +472,25 @@ def test_bad_extra_vars_fail_before_any_node_play(tmp_path: Path, extra: list[st
     assert expect in " ".join(out.split()), out
     assert "PLAY [Preflight every node]" not in out, "a node play started after a bad extra-var"
     assert "UNREACHABLE" not in out
+
+
+@pytest.mark.parametrize("playbook", ["train.yml", "sample.yml", "status.yml", "stop.yml"])
+@pytest.mark.parametrize("name", ["../..", "..", "d4/../../etc", "-d4", "*"])
+def test_a_run_name_that_is_not_a_name_is_refused_before_any_node_is_touched(tmp_path: Path, playbook: str,
+                                                                             name: str) -> None:
+    """The name becomes a unit instance and a directory under the runs directory, which root and the
+    service user act on: each entry point refuses one that could leave it, on the controller (the
+    example inventory's hosts are unreachable here: reaching one would show it)."""
+    (tmp_path / "localhost.yml").write_text(LOCALHOST_INV)
+    res = subprocess.run(
+        [tool("ansible-playbook"), "-i", "inventory/example", "-i", str(tmp_path / "localhost.yml"), playbook,
+         "-e", f"run_name={name}"],
+        cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300,
+    )
+    out = res.stdout + res.stderr
+    assert res.returncode != 0, out
+    assert f"run_name={name} must be 1-64 letters, digits" in " ".join(out.split()), out
+    assert "UNREACHABLE" not in out, out
 
 
 def run_validate_on_localhost(tmp_path: Path, rows: dict[str, object], *extra: str) -> subprocess.CompletedProcess:
