@@ -130,7 +130,7 @@ def test_a_run_that_never_evaluates_or_samples_still_checkpoints_and_reports_its
         assert re.fullmatch(r"\d+s|\d+\.\dm", elapsed) and re.fullmatch(r"\d+s|\d+\.\dm", eta), (elapsed, eta)
     assert lines[-1][4] == "0s"  # nothing left
     with sqlite3.connect(tmp_path / "mlflow.db") as con:
-        eta = dict(con.execute("select step, value from metrics where key = 'eta_s'"))
-        elapsed = dict(con.execute("select step, value from metrics where key = 'elapsed_s'"))
+        eta = dict(con.execute("select step, value from metrics where key = 'time/eta_s'"))
+        elapsed = dict(con.execute("select step, value from metrics where key = 'time/elapsed_s'"))
     assert sorted(eta) == sorted(elapsed) == list(range(1, 13))
     assert eta[12] == 0 and eta[1] > 0 and all(elapsed[s] < elapsed[s + 1] for s in range(1, 12))
