@@ -257,7 +257,10 @@ class Watchdog:
 
     def __init__(self, env: DistEnv, bound_s: float):
         self.env, self.bound_s = env, bound_s
-        self._phase: tuple[str, int, float, str | None] | None = None  # what, step, since, a disk's fix
+        # each thread's current phase: (what, step, since, a disk's fix). Per thread: a checkpoint
+        # crossing in the background marks its collectives while the loop marks its own (the
+        # loader's reads, every micro-step), and one slot for both let either erase the other's
+        self._phases: dict[int, tuple[str, int, float, str | None]] = {}
         self._lock = threading.Lock()
         threading.Thread(target=self._run, name="collective-watchdog", daemon=True).start()
 
@@ -283,34 +286,43 @@ class Watchdog:
             yield self._progress
 
     def _progress(self) -> None:
+        me = threading.get_ident()
         with self._lock:
-            if self._phase is not None:
-                self._phase = (*self._phase[:2], time.monotonic(), self._phase[3])
+            if me in self._phases:
+                phase = self._phases[me]
+                self._phases[me] = (*phase[:2], time.monotonic(), phase[3])
 
     @contextlib.contextmanager
     def _marked(self, what: str, step: int, fix: str | None):
+        me = threading.get_ident()
         with self._lock:
-            outer, self._phase = self._phase, (what, step, time.monotonic(), fix)
+            outer = self._phases.get(me)
+            self._phases[me] = (what, step, time.monotonic(), fix)
         try:
             yield
         finally:
-            with self._lock:
-                self._phase = outer  # a phase inside another hands the watch back
+            with self._lock:  # a phase inside another hands the watch back
+                if outer is None:
+                    self._phases.pop(me, None)
+                else:
+                    self._phases[me] = outer
 
     def _started(self) -> float:
         with self._lock:
-            return self._phase[2] if self._phase else time.monotonic()
+            phase = self._phases.get(threading.get_ident())
+        return phase[2] if phase else time.monotonic()
 
     def _run(self) -> None:
         while True:
             time.sleep(1.0)
             with self._lock:
-                current = self._phase
+                phases = list(self._phases.values())
             # without peers only a disk can stall: a one-process run's phases are not collectives
-            if not current or time.monotonic() - current[2] <= self.bound_s or (
-                    current[3] is None and not self.env.distributed):
+            stuck = [p for p in phases if time.monotonic() - p[2] > self.bound_s
+                     and (p[3] is not None or self.env.distributed)]
+            if not stuck:
                 continue
-            what, step, t0, fix = current
+            what, step, t0, fix = min(stuck, key=lambda p: p[2])  # the longest stuck
             stuck = f"stuck {time.monotonic() - t0:.0f}s (bound {self.bound_s:.0f}s, --collective-timeout)"
             if fix is not None:  # a disk: a checkpoint's write (step >= 0), or a read of the data (step -1)
                 at, moved = (f" at step {step}", "reached the disk") if step >= 0 else ("", "came from the disk")

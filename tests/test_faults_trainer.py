@@ -341,6 +341,31 @@ def test_a_one_process_watchdog_bounds_a_stalled_write_not_a_slow_one(tmp_path):
                      r"disk\.", proc.stdout), proc.stdout
 
 
+def test_a_background_threads_stall_is_seen_while_the_loop_marks_phases_of_its_own(tmp_path):
+    """A checkpoint crossing in the background stalls on its thread while the loop goes on marking
+    short phases of its own (the loader's reads, every micro-step). Each thread's phase is watched:
+    the loop's phases ending must not erase the background's (one slot for both did, and a rank
+    waited for a dead peer for ever)."""
+    script = ("import threading, time\n"
+              "from nanochat_cpu.dist import DistEnv, Watchdog\n"
+              "dog = Watchdog(DistEnv(rank=0, local_rank=0, world_size=1), 1.0)\n"
+              "def background():\n"
+              "    time.sleep(0.05)\n"
+              "    with dog.disk('writing checkpoint step 8 to /x', 8, 'Fix: look at the disk.'):\n"
+              "        time.sleep(30)\n"
+              "threading.Thread(target=background, daemon=True).start()\n"
+              "end = time.time() + 8\n"
+              "while time.time() < end:\n"
+              "    with dog.disk('reading shard_00000.parquet', -1, 'Fix: none needed.') as progress:\n"
+              "        time.sleep(0.1)\n"
+              "        progress()\n"
+              "print('the loop went on', flush=True)\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=30, cwd=REPO)
+    assert proc.returncode == collective_exit() and "the loop went on" not in proc.stdout, proc.stdout + proc.stderr
+    assert re.search(r"FATAL: stuck \d+s \(bound 1s, --collective-timeout\) writing checkpoint step 8 to /x at step 8",
+                     proc.stdout), proc.stdout
+
+
 def test_a_checkpoint_file_reaches_the_disk_in_pieces_each_a_sign_of_progress(tmp_path, monkeypatch):
     """A big file is pushed to the disk (fdatasync) every SYNC_BYTES, and each piece counts as
     progress for the watchdog; the file lands whole, through either writer."""
