@@ -98,7 +98,7 @@ class Tracker:
     def __init__(self, cfg: TrainConfig, env: DistEnv, resume_run_id: str | None):
         self.env = env
         self._run_id = resume_run_id
-        self.charts_page: str | None = None  # CHARTS_PAGE for this run, once the store started it
+        self.charts: str | None = None  # where the user opens this run's charts, once the store started it
         self._pending: list[tuple[str, float, int, int]] = []
         self._last_flush = time.monotonic()
         self._waited = False  # whether run_id waited for the start already
@@ -130,11 +130,6 @@ class Tracker:
             self._waited = True  # a store that does not answer costs this wait once, not every checkpoint
             self._start_tried.wait(request_timeout())  # a fresh local store takes seconds to create
         return self._run_id
-
-    @property
-    def charts(self) -> str | None:
-        """Where the user opens this run's charts (charts_link), once the store started the run."""
-        return charts_link(self.uri, self.charts_page) if self.enabled and self.charts_page else None
 
     def log_params(self, params: dict[str, Any]) -> None:
         if self.enabled:
@@ -273,7 +268,7 @@ class Tracker:
         return run.info.run_id
 
     def _opened(self, experiment_id: str, run_id: str, where: str) -> None:
-        self.charts_page = CHARTS_PAGE.format(experiment=experiment_id, run=run_id)
+        self.charts = charts_link(self.uri, CHARTS_PAGE.format(experiment=experiment_id, run=run_id))
         log(self.env, f"MLflow: run {run_id} {where}; its charts: {self.charts}")
 
     def _went_down(self, exc: BaseException, status: int) -> None:

@@ -219,7 +219,8 @@ def unused_gpu_note(env: DistEnv, cpu_peak: float, cpu_dtype: torch.dtype) -> st
 def charts_field(tracker: Tracker) -> dict[str, str]:
     """The status file's link to the run's charts, once the store started the run (else nothing, so
     a resumed run's link stays)."""
-    return {"mlflow_charts": tracker.charts} if tracker.charts else {}
+    charts = tracker.charts  # set once by the tracker's thread: read once here
+    return {"mlflow_charts": charts} if charts else {}
 
 
 def log_sample(env: DistEnv, model: GPT, tokenizer: Tokenizer, step: int) -> str:
