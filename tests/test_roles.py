@@ -229,6 +229,16 @@ def _inventory(path: str) -> dict:
     return json.loads(res.stdout)
 
 
+def test_the_mlflow_role_makes_the_experiment_the_trainer_logs_to() -> None:
+    """The role creates the experiment and grants the trainer's user EDIT on it alone: a name apart
+    from the trainer's would leave the trainer logging to one it may not touch (403)."""
+    from nanochat_cpu.tracking import EXPERIMENT, KIND, KIND_TAG
+    assert load(ROLES_DIR / "mlflow" / "vars" / "main.yml")["mlflow_experiment"] == EXPERIMENT
+    made = next(t for t in load(ROLES_DIR / "mlflow" / "tasks" / "trainer_user.yml")
+                if t["name"].startswith("Create the experiment"))
+    assert made["ansible.builtin.uri"]["body"]["tags"] == [{"key": KIND_TAG, "value": KIND}]
+
+
 def test_example_inventory_is_the_field_reports_cluster() -> None:
     inv = _inventory("inventory/example")
     assert inv["master"]["hosts"] == ["workstation"]
