@@ -46,6 +46,7 @@ class Cluster:
         self.nodes = [self.master, *self.workers]
         self.hostvars = {**groups["master"]["hosts"], **groups["workers"]["hosts"]}
         self.subnet = tree["all"]["vars"]["lan_subnet"]
+        self.name = tree["all"]["vars"]["local_cluster_name"]  # its containers, network and label
         self.master_port = int(tree["all"]["vars"].get("master_port", 29500))
 
     def ct(self, node: str) -> str:
