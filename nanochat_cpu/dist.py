@@ -318,12 +318,12 @@ class Watchdog:
             with self._lock:
                 phases = list(self._phases.values())
             # without peers only a disk can stall: a one-process run's phases are not collectives
-            stuck = [p for p in phases if time.monotonic() - p[2] > self.bound_s
-                     and (p[3] is not None or self.env.distributed)]
-            if not stuck:
+            now = time.monotonic()
+            overdue = [p for p in phases if now - p[2] > self.bound_s and (p[3] is not None or self.env.distributed)]
+            if not overdue:
                 continue
-            what, step, t0, fix = min(stuck, key=lambda p: p[2])  # the longest stuck
-            stuck = f"stuck {time.monotonic() - t0:.0f}s (bound {self.bound_s:.0f}s, --collective-timeout)"
+            what, step, t0, fix = min(overdue, key=lambda p: p[2])  # the longest stuck
+            stuck = f"stuck {now - t0:.0f}s (bound {self.bound_s:.0f}s, --collective-timeout)"
             if fix is not None:  # a disk: a checkpoint's write (step >= 0), or a read of the data (step -1)
                 at, moved = (f" at step {step}", "reached the disk") if step >= 0 else ("", "came from the disk")
                 fail(self.env, EXIT_COLLECTIVE, f"{stuck} {what}{at} on {self.env.host}: no byte {moved} in that "
