@@ -17,7 +17,8 @@ It also gives the workers as long to stop at a restart as at the end (torchrun's
 for a restart whatever TORCH_ELASTIC_SHUTDOWN_TIMEOUT says, too short for a big model's checkpoint
 on a slow link), says in the journal when it waits for a group and which one it joined, and, off
 the master, leaves the run's rendezvous open when it ends (torch's launcher closes it for every
-node when its agent ends otherwise than by a signal: one node out of restarts would end the run).
+node when its agent ends otherwise than by a signal: one node out of restarts would end the run),
+stopping only its keep-alive thread.
 
 Outside the agent: torchrun exits 1 whatever its workers' exit codes were, so the launcher exits
 with the code its failed workers exited with (2 or 3 if any rank saw it: `exit_code_of`); a stop
@@ -83,8 +84,19 @@ class NodeAgent(LocalElasticAgent):
             # torch's launch_agent closes the rendezvous for every node when its agent ends otherwise
             # than by a signal (its restarts spent, a join timed out, the run done): one node's end
             # would end the run everywhere. The run's is the master's to close; this node just leaves
-            # (its keep-alives stop with it).
+            # (its keep-alives stop with the agent: run).
             self.get_worker_group().spec.rdzv_handler.shutdown = lambda: True
+
+    def run(self, *args, **kwargs) -> RunResult:
+        try:
+            return super().run(*args, **kwargs)
+        finally:
+            # The rendezvous's keep-alive thread otherwise lives as long as its handler: off the
+            # master nothing stops it (see __init__), and a handler kept past the agent's end keeps
+            # it calling the master's store, which is gone once the run ends. The interpreter's exit
+            # then catches it inside torch's C++ and the launcher dies of SIGABRT ("terminate called
+            # without an active exception") after a run that ended well (seen once in CI).
+            self.get_worker_group().spec.rdzv_handler._stop_heartbeats()
 
     def _monitor_workers(self, worker_group: WorkerGroup) -> RunResult:
         result = super()._monitor_workers(worker_group)
@@ -199,4 +211,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Past main the launcher has nothing left to do, and the interpreter's teardown with torch's
+    # threads about is where a launcher can die of SIGABRT after a good run (NodeAgent.run): a node
+    # whose unit reads that as a crash restarts a finished run. So it leaves without the teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -97,6 +98,25 @@ def test_the_launcher_exits_with_the_code_a_restart_cannot_fix():
     assert exit_code_of(failed(2, -9)) == 2 and exit_code_of(failed(4, 3)) == 3  # one rank's bad input, one killed
     assert exit_code_of(failed(5, 5)) == 5 and exit_code_of(failed(-9)) == 137  # a kill reads as a shell's
     assert exit_code_of(failed(4, -15)) == 1  # anything else mixed: the launcher's own
+
+
+def test_a_launcher_that_ends_leaves_no_keep_alive_thread_behind():
+    """Two launchers of a run whose one step is `true`, with torch's rendezvous handlers kept
+    alive past their agents (tests/entry_points/kept_handler_launch.py): when each one's main
+    returns, no thread is left, on the master or off it. A keep-alive thread left calling the
+    master's store, gone by then, is what a launcher's teardown can die of (SIGABRT)."""
+    port, entry = free_port(), str(Path(__file__).parent / "entry_points" / "kept_handler_launch.py")
+    nodes = [Watched([sys.executable, entry, *elastic_cmd(node, "2:2", port, ["--no-python", "true"],
+                                                          run_id="threads", local_addr=f"127.0.0.{1 + node}")[3:]],
+                     node_env()) for node in (0, 1)]
+    try:
+        codes = [w.end(timeout=120) for w in nodes]
+    finally:
+        for w in nodes:
+            w.kill()
+    for w, code in zip(nodes, codes, strict=True):
+        assert code == 0, w.text()
+        assert "threads left: [] (1 handler(s) kept)" in w.text(), w.text()
 
 
 def number(regex: re.Pattern, line: str, group: int = 1) -> int:
