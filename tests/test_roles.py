@@ -432,8 +432,8 @@ def test_firewall_refuses_sources_off_the_lan_or_on_ipv6() -> None:
     assert problems == [
         "node1: no training address (not in this play, and no node_ipv4 in the inventory)",
         "node2: training address '10.88.0.2' is not an IPv4 address in lan_subnet 10.77.1.0/24",
-        "firewall_mlflow_clients: 'fd00::1' is not an IPv4 address or a network of /8 or longer",
-        "firewall_mlflow_clients: '0.0.0.0/0' is not an IPv4 address or a network of /8 or longer",
+        "mlflow_clients: 'fd00::1' is not an IPv4 address or a network of /8 or longer",
+        "mlflow_clients: '0.0.0.0/0' is not an IPv4 address or a network of /8 or longer",
     ]
 
 
@@ -467,6 +467,8 @@ LOCALHOST_INV = """all:
         (["-e", "min_nodes=3"], "min_nodes=3 must be a whole number from 1 to the inventory's 2 node(s)"),
         (["-e", "work_split=inventory", "-e", "min_nodes=1"], "use -e min_nodes=2 with it, or -e work_split=auto"),
         (["-e", "run_start_join_timeout=99999"], "run_start_join_timeout=99999 a number of seconds from 30 to 3600"),
+        (["-e", '{"firewall_mlflow_clients": ["10.1.2.3"]}'], "firewall_mlflow_clients is now called mlflow_clients"),
+        (["-e", "mlflow_clients=everyone"], "mlflow_clients=everyone must be a list of IPv4 addresses or networks"),
     ],
 )
 def test_bad_extra_vars_fail_before_any_node_play(tmp_path: Path, extra: list[str], expect: str) -> None:

@@ -137,9 +137,9 @@ def test_with_ufw_off_the_trainer_unit_still_admits_only_the_nodes(cluster: Clus
                                                                     case_report: dict) -> None:
     """ufw disabled on the master while the run trains (an admin debugging): an intruder on the LAN
     reaches none of the trainer's listening ports (the rendezvous and every rank's Gloo sockets),
-    for the unit's own IP filter (IPAddressDeny=any, IPAddressAllow= the nodes) drops its packets;
-    a listener outside the unit on the same node it reaches (so ufw is off and the probe can fail),
-    and the run trains on."""
+    nor the MLflow server's where it runs, for each unit's own IP filter (IPAddressDeny=any,
+    IPAddressAllow= the nodes, and MLflow's clients) drops its packets; a listener outside the units
+    on the same node it reaches (so ufw is off and the probe can fail), and the run trains on."""
     node, run = cluster.master, loss_run.run
     address = cluster.hostvars[node]["node_ipv4"]
     pids = [p.split("/")[2] for p in cluster.sh(node, f"grep -l '/{run.unit}$' /proc/[0-9]*/cgroup",
@@ -148,6 +148,8 @@ def test_with_ufw_off_the_trainer_unit_still_admits_only_the_nodes(cluster: Clus
     ports = sorted({int(m.group(1)) for line in listening.splitlines() if any(f"pid={p}," in line for p in pids)
                     for m in [re.search(r":(\d+)\s", line)] if m})
     assert cluster.master_port in ports and len(ports) >= 2, f"the trainer's ports on {node}: {ports}\n{listening}"
+    if cluster.sh(node, "systemctl is-active nanochat-mlflow", check=False).strip() == "active":
+        ports.append(int(cluster.hostvars[node].get("mlflow_port", 5000)))
     outside = 29599
     intruder = f"{cluster.name}-intruder"
     network = f"{cluster.name}-lan"  # cluster/up.yml's local_network
@@ -173,7 +175,8 @@ def test_with_ufw_off_the_trainer_unit_still_admits_only_the_nodes(cluster: Clus
     assert "active" in cluster.sh(node, "ufw status | head -1"), f"ufw not enabled again on {node}"
     wait_step(cluster, run.unit, last_step(cluster, run.unit, run.started) + 2, run.started, timeout=120)
     case_report["unit_ip_filter"] = {"ports": ports, "intruder": got}
-    log(f"ufw off on {node}: the intruder reached none of the trainer's ports {ports}, the listener outside the unit")
+    log(f"ufw off on {node}: the intruder reached none of the ports {ports} (the trainer's, MLflow's where it runs), "
+        f"and the listener outside the units")
 
 
 def test_fault_mid_run(cluster: Cluster, loss_run: Progress, case_report: dict, event: str) -> None:

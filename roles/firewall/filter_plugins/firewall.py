@@ -113,7 +113,7 @@ def firewall_source_problems(nodes: dict[str, str], clients: list[str], lan_subn
     """What is wrong with the sources the role would open ports to, one line each ([] when all is well).
 
     nodes: host -> training address, each an IPv4 address in lan_subnet ('' = unknown). clients:
-    firewall_mlflow_clients, IPv4 addresses or networks no wider than a /8. Nothing IPv6: an IPv6
+    mlflow_clients, IPv4 addresses or networks no wider than a /8. Nothing IPv6: an IPv6
     source would open the port on IPv6 too, where nothing of ours listens.
     """
     lan = ipaddress.IPv4Network(str(lan_subnet), strict=False)  # cluster_facts checked it
@@ -127,7 +127,7 @@ def firewall_source_problems(nodes: dict[str, str], clients: list[str], lan_subn
     for client in clients:
         network = _network(client)
         if network is None or network.version != 4 or network.prefixlen < 8:
-            problems.append(f"firewall_mlflow_clients: {client!r} is not an IPv4 address or a network of /8 or longer")
+            problems.append(f"mlflow_clients: {client!r} is not an IPv4 address or a network of /8 or longer")
     return problems
 
 
