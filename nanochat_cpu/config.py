@@ -24,7 +24,8 @@ from typing import Any
 # Fields that may legitimately differ between hosts of one run (paths, logging). Everything
 # else must be identical on every rank and goes into the run fingerprint.
 PER_HOST_FIELDS = frozenset(
-    {"data_dir", "tokenizer_dir", "out_dir", "tracking_uri", "compile", "collective_timeout", "peer_timeout"}
+    {"data_dir", "tokenizer_dir", "out_dir", "tracking_uri", "compile", "hybrid_threads", "collective_timeout",
+     "peer_timeout"}
 )
 
 # --sync-warmup-ratio's default: at depth 4 and 2M tokens, H = 32 after 5% synchronous steps ended
@@ -68,6 +69,12 @@ class TrainConfig:
         default="auto",
         metadata={"run_example": "auto",
                   "choices": ("auto", "on", "off"), "help": "torch.compile; auto = where measured faster"},
+    )
+    hybrid_threads: str = field(
+        default="auto",
+        metadata={"choices": ("auto", "off"),
+                  "help": "on a CPU with P-cores and E-cores: auto = time a forward and backward pinned to the P-cores "
+                          "and on every core, and keep the faster (core_types.py); off = as OMP_NUM_THREADS says"},
     )
     # model shape (nanochat's: width follows depth)
     depth: int = field(default=4, metadata={"run_example": "8", "help": "number of transformer blocks"})

@@ -266,6 +266,7 @@ def disk_space_problem(cfg, model, steps: list[int]) -> str | None:
 def check_device(device: str) -> tuple[list[str], dict]:
     import torch
 
+    from .core_types import hybrid_cpu, layouts
     from .perf import cpu_has_native_bf16, physical_cores
     from .precision import compute_dtype
 
@@ -278,6 +279,11 @@ def check_device(device: str) -> tuple[list[str], dict]:
              "physical_cores": physical_cores(), "cpu_native_bf16": native_bf16,
              "backend": {"cpu": "gloo", "cuda": "nccl"}[device],
              "dtype": str(dtype).removeprefix("torch.")}
+    allowed = os.sched_getaffinity(0)
+    cpu = hybrid_cpu(allowed)
+    # what --hybrid-threads auto will time at the run's start (core_types.py); None: not a hybrid CPU
+    facts["hybrid_cpu"] = cpu and (f"{cpu.said()}; a run times " + " against ".join(
+        o.said() for o in layouts(cpu, allowed, torch.get_num_threads(), 0, 1)) + " and keeps the faster")
     problems = []
     if device == "cuda" and not torch.cuda.is_available():
         problems.append(f"{host}: --device cuda but torch {torch.__version__} sees no GPU. Fix: torch_variant "

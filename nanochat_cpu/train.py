@@ -32,6 +32,7 @@ from .checkpoint_files import step_dir
 from .checkpoint_transfer import Disks, find_disks
 from .compile_choice import CompileChoice
 from .config import NEVER, TrainConfig, grad_accum_steps, parse_config
+from .core_types import choose_threads
 from .data import manifest_hash
 from .dataloader import TokenLoader
 from .dist import EXIT_CONFIG, EXIT_MISMATCH, EXIT_STOPPED, DistEnv, Watchdog, check_parameters_agree, fail, log
@@ -298,6 +299,11 @@ def build(cfg: TrainConfig, ranks: Ranks) -> Training:
 
     # ---- work split, data, tracking --------------------------------------------------------------
     ctx = autocast_for(env.device, ranks.ctx_dtype)
+    if cfg.hybrid_threads == "auto" and env.device.type == "cpu":  # before the split: it times the rank's speed
+        placed = choose_threads(model, cfg.device_batch_size, cfg.max_seq_len, cfg.seed, ctx, env.local_rank,
+                                env.hosts.count(env.host) if env.hosts else 1)
+        if placed:
+            log(env, placed)
     sizes, fixed_rows = choose_split(cfg, env, model, ctx, watchdog, saved.rank_batch_sizes, saved.split_fixed_rows)
     # a split the run already checked against its steps stays when it resumes: the redone steps then
     # repeat their losses (a new split sums the rows another way, and the curve drifts from there)

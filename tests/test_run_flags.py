@@ -27,6 +27,7 @@ NODE_FACTS = {
     "cluster_facts_mlflow_server": True,
     "cluster_facts_master_addr": "10.0.0.1",
     "cluster_facts_ports": {"mlflow": 5000},
+    "cluster_facts_hybrid_threads": "auto",  # omp_num_threads unset or auto: the trainer's default, not said
 }
 
 SHOW = """- hosts: localhost
@@ -89,6 +90,11 @@ CASES = {
         .replace("--seed 42", "--seed 0").replace("--run-name d4", "--run-name d6")
         .replace("--sync-every auto", "--sync-every 1").replace("--outer-lr 1.0", "--outer-lr 0.5")
         + NODE_FLAGS.format(run="d6"),
+    ),
+    "a node whose omp_num_threads is a number": (
+        {},
+        ["-e", "cluster_facts_hybrid_threads=off"],
+        DEFAULT_FLAGS.format(total=2048, split="auto") + NODE_FLAGS.format(run="d4") + " --hybrid-threads off",
     ),
 }
 
