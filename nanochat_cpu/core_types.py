@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from .grad_target import clear_gradients
+from .perf import cores_of
 
 SYSFS = Path("/sys/devices")
 CHOICE_SECONDS = 0.5  # timed per layout and turn, at least, after a warm-up pass: a CPU quota's periods average out
@@ -98,16 +99,7 @@ def hybrid_cpu(allowed: set[int], sysfs: Path | None = None) -> HybridCpu | None
     efficiency = read_cpus(sysfs / "cpu_atom" / "cpus") & allowed
     if not performance or not efficiency:
         return None
-    cores: dict[tuple[str, str], set[int]] = {}
-    for cpu in sorted(performance):
-        topology = sysfs / "system" / "cpu" / f"cpu{cpu}" / "topology"
-        try:
-            key = ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip())
-        except OSError:
-            key = ("?", str(cpu))  # no topology: each CPU a core of its own
-        cores.setdefault(key, set()).add(cpu)
-    ordered = sorted((frozenset(c) for c in cores.values()), key=min)
-    return HybridCpu(tuple(ordered), frozenset(efficiency))
+    return HybridCpu(tuple(cores_of(performance, sysfs / "system" / "cpu")), frozenset(efficiency))
 
 
 def layouts(cpu: HybridCpu, allowed: set[int], threads_now: int, local_rank: int,

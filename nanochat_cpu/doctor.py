@@ -263,7 +263,7 @@ def disk_space_problem(cfg, model, steps: list[int]) -> str | None:
             f"(-e train_extra_args='--keep-checkpoints 2', at least 2)")
 
 
-def check_device(device: str) -> tuple[list[str], dict]:
+def check_device(device: str, nproc_per_node: int = 1) -> tuple[list[str], dict]:
     import torch
 
     from .core_types import hybrid_cpu, layouts
@@ -281,9 +281,10 @@ def check_device(device: str) -> tuple[list[str], dict]:
              "dtype": str(dtype).removeprefix("torch.")}
     allowed = os.sched_getaffinity(0)
     cpu = hybrid_cpu(allowed)
-    # what --hybrid-threads auto will time at the run's start (core_types.py); None: not a hybrid CPU
-    facts["hybrid_cpu"] = cpu and (f"{cpu.said()}; a run times " + " against ".join(
-        o.said() for o in layouts(cpu, allowed, torch.get_num_threads(), 0, 1)) + " and keeps the faster")
+    # what --hybrid-threads auto will time at the run's start on this node's first rank (core_types.py);
+    # None: not a hybrid CPU
+    facts["hybrid_cpu"] = cpu and (f"{cpu.said()}; a run's first rank here times " + " against ".join(
+        o.said() for o in layouts(cpu, allowed, torch.get_num_threads(), 0, nproc_per_node)) + " and keeps the faster")
     problems = []
     if device == "cuda" and not torch.cuda.is_available():
         problems.append(f"{host}: --device cuda but torch {torch.__version__} sees no GPU. Fix: torch_variant "
@@ -308,10 +309,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the run's trainer flags (the unit's TRAIN_ARGS): check them and their inputs here")
     p.add_argument("--world-size", type=int, default=1, help="ranks in the run (for --train-flags)")
     p.add_argument("--first-rank", type=int, default=0, help="this node's first rank (for --train-flags)")
+    p.add_argument("--nproc-per-node", type=int, default=1, help="this node's ranks (the P-cores they share)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
-    problems, facts = check_device(args.device)
+    problems, facts = check_device(args.device, args.nproc_per_node)
     problems += check_interface(args.ifname, args.lan_subnet)
     facts["ifname"], facts["ipv4"] = args.ifname, interface_ipv4(args.ifname) if args.ifname else None
     if args.master_port:

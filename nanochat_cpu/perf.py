@@ -11,6 +11,7 @@ import functools
 import os
 import resource
 import time
+from pathlib import Path
 
 import torch
 
@@ -148,16 +149,20 @@ def available_memory_mib() -> float | None:
     return free
 
 
+def cores_of(cpus: set[int], cpu_dir: Path = Path("/sys/devices/system/cpu")) -> list[frozenset[int]]:
+    """`cpus` grouped by physical core (SMT siblings together, by package and core id), ordered by
+    their first CPU; a CPU whose topology the kernel does not show is a core of its own."""
+    cores: dict[tuple[str, str], set[int]] = {}
+    for cpu in sorted(cpus):
+        topology = cpu_dir / f"cpu{cpu}" / "topology"
+        try:
+            key = ((topology / "physical_package_id").read_text().strip(), (topology / "core_id").read_text().strip())
+        except OSError:
+            key = ("?", str(cpu))
+        cores.setdefault(key, set()).add(cpu)
+    return sorted((frozenset(c) for c in cores.values()), key=min)
+
+
 def physical_cores() -> int:
     """Physical cores (not SMT siblings) available to this process."""
-    allowed = os.sched_getaffinity(0)
-    seen = set()
-    for cpu in allowed:
-        path = f"/sys/devices/system/cpu/cpu{cpu}/topology/core_id"
-        pkg = f"/sys/devices/system/cpu/cpu{cpu}/topology/physical_package_id"
-        try:
-            with open(path) as f, open(pkg) as g:
-                seen.add((g.read().strip(), f.read().strip()))
-        except OSError:
-            seen.add(("?", str(cpu)))
-    return max(1, len(seen))
+    return max(1, len(cores_of(os.sched_getaffinity(0))))

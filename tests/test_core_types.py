@@ -60,6 +60,19 @@ def test_an_i9_13900kf_shows_its_two_kinds_of_core_and_each_rank_its_share(tmp_p
     assert layouts(cpu, allowed, 2, 0, 9) == [ThreadLayout("all cores as OMP_NUM_THREADS says", frozenset(allowed), 2)]
 
 
+def test_the_doctor_says_what_a_nodes_first_rank_would_time(tmp_path: Path, monkeypatch):
+    """On an i9-13900KF with two ranks a node, the first rank's half of the P-cores."""
+    from nanochat_cpu import core_types, doctor
+
+    monkeypatch.setattr(core_types, "SYSFS", i9_13900kf(tmp_path))
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(32)))
+    _, facts = doctor.check_device("cpu", nproc_per_node=2)
+    said = facts["hybrid_cpu"]
+    assert said.startswith("8 P-core(s) (CPUs 0-15) and 16 E-core CPU(s) (16-31); a run's first rank here times all "
+                           "cores as OMP_NUM_THREADS says"), said
+    assert said.endswith("against P-cores only, 4 thread(s) on CPUs 0-7 and keeps the faster"), said
+
+
 def test_a_cpu_of_one_kind_or_an_affinity_inside_one_kind_is_not_hybrid(tmp_path: Path):
     sysfs = i9_13900kf(tmp_path / "hybrid")
     assert hybrid_cpu(set(range(16)), sysfs) is None  # pinned to the P-cores already (taskset)
