@@ -20,7 +20,8 @@ and tokenizer, and reads rank 0's step lines.
 CPU shares: `even` gives every node --cpu-even CPUs; `half` gives node1 half of that (the laptop).
 Split `off` = the same rows on every rank; `on` = --rank-batch-sizes auto (measured at start).
 Comm `fp32` = gradients and parameters travel in fp32; `bf16` = --grad-comm-dtype and
---param-comm-dtype bfloat16 (half the bytes each way). Solo runs always use fp32 (no wire).
+--param-comm-dtype bfloat16 (half the bytes each way); `int8`, `int4`, `int2` = bf16, and the outer
+syncs of H > 1 quantized (--outer-compress). Solo runs always use fp32 (no wire).
 Tokens per step are set per depth (--tokens-per-step 4:3072,8:12288): the wire bytes per step are
 fixed by the model, so a larger step hides them behind more compute. `--batch-per cluster` (the
 default) runs a cluster at those tokens across its nodes, as a solo steps on them alone; `node`
@@ -238,7 +239,7 @@ def window_means(out: str, sync_every: str, warmup: int, num_steps: int) -> dict
 def trainer_flags(args: argparse.Namespace, depth: int, world: int, split: str, comm: str, dataset: str,
                   num_steps: int, sync_every: str) -> list[str]:
     rows = args.rows_per_rank
-    wire = "bfloat16" if comm == "bf16" else "float32"
+    wire = "float32" if comm == "fp32" else "bfloat16"
     flags = ["--depth", str(depth), "--max-seq-len", str(args.seq), "--device-batch-size", str(rows),
              "--total-batch-size", str(step_tokens(args, depth, world)), "--num-iterations", str(num_steps),
              "--grad-comm-dtype", wire, "--param-comm-dtype", wire,
@@ -255,6 +256,8 @@ def trainer_flags(args: argparse.Namespace, depth: int, world: int, split: str, 
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
     if args.outer_overlap is not None and sync_every != "1":  # nothing to overlap: the trainer refuses it
         flags += ["--outer-overlap", args.outer_overlap]
+    if comm.startswith("int") and sync_every != "1":  # nothing to compress: the trainer refuses it
+        flags += ["--outer-compress", comm]
     return flags
 
 
@@ -420,7 +423,9 @@ def main() -> int:
     p.add_argument("--cpu-even", type=float, default=0.6, help="CPUs per node (the host has 2 for all of them)")
     p.add_argument("--seq", type=int, default=256, help="short sequences keep a step short on a 0.3-CPU node")
     p.add_argument("--rows-per-rank", type=int, default=2, help="--device-batch-size (the split moves rows)")
-    p.add_argument("--comms", default="fp32", help="dtypes on the wire: fp32, bf16 (gradients and updates)")
+    p.add_argument("--comms", default="fp32",
+                   help="on the wire: fp32, bf16 (gradients and updates), int8, int4, int2 (bf16, outer "
+                        "syncs quantized)")
     p.add_argument("--tokens-per-step", type=per_depth, default=per_depth("4:3072,8:12288"),
                    help="depth:tokens per optimizer step, each divisible by seq x rows x every world size")
     p.add_argument("--batch-per", choices=("cluster", "node"), default="cluster",

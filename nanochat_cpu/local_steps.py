@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from .config import NEVER, sync_every_steps, sync_warmup_steps
 from .dist import EXIT_CONFIG, DistEnv, Watchdog, fail, log
+from .outer_codec import codec_named
 from .outer_policy import (
     AUTO_FIRST_PHASE,
     AUTO_TIMED_STEPS,
@@ -121,7 +122,8 @@ class SteppingPlan:
         cfg, env, nodes = self.cfg, self.env, self.nodes
         share = node_token_share(nodes, sizes)
         diloco = DiLoCo(model, nodes, share, cfg.outer_lr, cfg.outer_momentum, WIRE_DTYPES[cfg.grad_comm_dtype],
-                        WIRE_DTYPES[cfg.param_comm_dtype], shared_params=opt.arena is not None)
+                        WIRE_DTYPES[cfg.param_comm_dtype], shared_params=opt.arena is not None,
+                        codec=codec_named(cfg.outer_compress))
         if saved.outer is not None:
             try:
                 diloco.load_state_dict(saved.outer)
@@ -145,6 +147,7 @@ class SteppingPlan:
                  f"{schedule.every or f'auto (first after {schedule.first - start})'} steps from step {start}, outer "
                  f"lr {cfg.outer_lr} Nesterov momentum {cfg.outer_momentum}{average}, "
                  f"{diloco.sent_bytes / 2**20:.1f} MiB sent per outer step by the node's first rank"
+                 + compress_line(cfg.outer_compress)
                  + overlap_line(cfg, diloco.overlaps))
         return diloco, schedule
 
@@ -270,7 +273,8 @@ class SteppingPlan:
             choice.asked_until = sync_warmup_steps(cfg)  # a restart that asks for fewer gets fewer
             log(env, f"sync-every auto: {cap_why}")
             choice.first_phase, first_why = first_outer_phase(wire_s, work_s, max(map(len, self.nodes.ranks)),
-                                                              overlap=overlap_asked(cfg, self.nodes))
+                                                              overlap=overlap_asked(cfg, self.nodes),
+                                                              bytes_ratio=outer_bytes_ratio(cfg))
             log(env, f"sync-every auto: {first_why}")
         return choice
 
@@ -341,7 +345,8 @@ class SteppingPlan:
             log(env, f"outer-overlap auto: {why}")
         if schedule.every is None:
             schedule.every, why = choose_sync_every(sync_s, step_s, work_s if diloco.overlaps else None)
-            log(env, f"sync-every auto: H={schedule.every} ({why})")
+            log(env, f"sync-every auto: H={schedule.every} ({why}; each sync sends {diloco.sent_bytes / 2**20:.1f} "
+                     f"MiB from each node{compress_line(self.cfg.outer_compress)})")
         if diloco.overlaps:
             schedule.land_after, why = landing_steps(sync_s, step_s, schedule.every)
             log(env, f"outer-overlap: each outer sync lands {schedule.land_after} inner steps after it leaves ({why})")
@@ -373,6 +378,23 @@ def overlap_line(cfg: TrainConfig, overlaps: bool | None) -> str:
         return ("; --outer-overlap auto: the syncs cross in the background of the next inner steps where a blocking "
                 "one would hold the nodes more than 5% of the time, as the next sync's timing says")
     return f"; every sync blocks{chosen}" if chosen and cfg.device != "cuda" else ""
+
+
+def outer_bytes_ratio(cfg: TrainConfig) -> float:
+    """An outer sync's bytes per value over a synchronous step's (both send a delta, or gradient,
+    and an update, or parameters)."""
+    codec = codec_named(cfg.outer_compress)
+    if codec is None:
+        return 1.0
+    return 2 * codec.bytes_per_value / (WIRE_DTYPES[cfg.grad_comm_dtype].itemsize
+                                        + WIRE_DTYPES[cfg.param_comm_dtype].itemsize)
+
+
+def compress_line(name: str) -> str:
+    """The set-up line's word on --outer-compress."""
+    if name == "none":
+        return ""
+    return f" ({name} per 256 values with error feedback, --outer-compress {name})"
 
 
 def overlap_asked(cfg: TrainConfig, nodes: Nodes, saved: SavedSchedule | None = None) -> bool | None:

@@ -166,7 +166,7 @@ def keep_synchronous(wire_share: float | None) -> tuple[bool, str]:
 
 
 def first_outer_phase(wire_s: float, work_s: float, ranks_per_node: int = 1, overlap: bool | None = False,
-                      ) -> tuple[int, str]:
+                      bytes_ratio: float = 1.0) -> tuple[int, str]:
     """auto, once it chose local steps from the warm-up: the inner steps before the first outer
     sync, and why. A synchronous step of one rank per node sends what an outer sync sends (the
     others' slices of a gradient, then of the parameters); a node of k ranks sends k ranks' slices
@@ -177,14 +177,18 @@ def first_outer_phase(wire_s: float, work_s: float, ranks_per_node: int = 1, ove
     sync's wait; 10 Mbit/s at depth 8: ~110 s). Overlapped (--outer-overlap on), H need only be
     the steps a sync takes to cross (`landing_steps`), so the first phase is that long: the sooner
     the first (timed, blocking) sync, the sooner the overlapped ones begin. `overlap` None
-    (--outer-overlap auto): overlapped where the blocking H would be capped (`choose_overlap`)."""
-    sync_s = wire_s / ranks_per_node
+    (--outer-overlap auto): overlapped where the blocking H would be capped (`choose_overlap`).
+    `bytes_ratio`: an outer sync's bytes per value over a synchronous step's (--outer-compress
+    sends fewer: the fewer, the shorter the first phase and, once timed, H)."""
+    sync_s = wire_s / ranks_per_node * bytes_ratio
     if overlap is None:
         overlap = blocking_need(sync_s, work_s) > AUTO_MAX_H
     h = landing_steps(sync_s, work_s, AUTO_MAX_H)[0] if overlap else choose_sync_every(sync_s, work_s)[0]
     h = max(AUTO_FIRST_PHASE, h)  # the phase's mean step is timed: a first inner step alone allocates
     per = f", {ranks_per_node} ranks a node: an outer sync sends 1/{ranks_per_node} of it" if ranks_per_node > 1 \
         else ", and an outer sync sends as much"
+    if bytes_ratio != 1.0:
+        per += f" times {bytes_ratio:.2f} (--outer-compress: its bytes per value over a synchronous step's)"
     return h, (f"the first outer sync after {h} inner steps (a synchronous step waited {wire_s:.2f} s on the "
                f"wire against {work_s:.2f} s of work{per}); its own time sets H")
 

@@ -8,7 +8,8 @@
 Rows: `alone` = one node; `sync` = --nodes nodes with --sync-every 1 (every step synchronous,
 ZeRO-2); each H of --sync-every (default 8,32,auto) = the same nodes training alone for H steps
 between outer syncs (DiLoCo; auto: the trainer picks H, column `H used`), after the trainer's
-synchronous warm-up (--sync-warmup-ratio, its default unless given). `away` = the sync row's
+synchronous warm-up (--sync-warmup-ratio, its default unless given); `32:int8` = H 32 with the
+outer syncs quantized (--outer-compress int8; int4, int2 alike). `away` = the sync row's
 nodes, launched as the units launch them (elastic: --nnodes=N-1:N, the c10d rendezvous hosted by
 node 0, each node its own --out-dir), whose last node leaves (SIGTERM, as at a laptop's sleep)
 when rank 0 reaches a third of the steps and comes back at two thirds: the others train on
@@ -56,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from . import dataset_build, tokenizer
-from .config import nearest_valid_totals
+from .config import OUTER_CODECS, nearest_valid_totals
 
 REPO = Path(__file__).resolve().parent.parent
 VOCAB = 4096  # the cluster's (roles/dataset), so the bpb compare with its runs
@@ -85,7 +86,16 @@ class Row:
 
 
 def is_h(name: str) -> bool:
-    return name == "auto" or (name.isdigit() and int(name) > 1)
+    """An H row: auto or an integer H > 1, with its outer syncs' codec after a colon where they are
+    compressed (32:int8: --sync-every 32 --outer-compress int8)."""
+    h, _, codec = name.partition(":")
+    return (h == "auto" or (h.isdigit() and int(h) > 1)) and (codec in OUTER_CODECS[1:] or not _)
+
+
+def canonical(name: str) -> str:
+    """One row name per H and codec: "08" is 8."""
+    h, colon, codec = name.partition(":")
+    return (h if not h.isdigit() else str(int(h))) + colon + codec
 
 
 def h_values(text: str) -> list[str]:
@@ -93,23 +103,30 @@ def h_values(text: str) -> list[str]:
     for value in values:
         if not is_h(value):
             raise argparse.ArgumentTypeError(f"--sync-every values are integers H > 1 or auto (H = 1 is the sync "
-                                             f"row); got {value!r}")
-    return [v if v == "auto" else str(int(v)) for v in values]  # "08" is 8: one row name per H
+                                             f"row), each with :int8, :int4 or :int2 to compress its outer syncs; "
+                                             f"got {value!r}")
+    return [canonical(v) for v in values]
 
 
 def row_names(text: str) -> list[str]:
     names = [t.strip() for t in text.split(",") if t.strip()]
     for name in names:
         if name not in ("alone", "sync", "away") and not is_h(name):
-            raise argparse.ArgumentTypeError(f"rows are alone, sync, away, auto or an integer H > 1; got {name!r}")
-    return [n if not n.isdigit() else str(int(n)) for n in names]
+            raise argparse.ArgumentTypeError(f"rows are alone, sync, away, auto or an integer H > 1 (each H with "
+                                             f":int8, :int4 or :int2 to compress its outer syncs); got {name!r}")
+    return [canonical(n) for n in names]
 
 
 def plan(name: str, nodes: int) -> tuple[int, str]:
     """(nodes, --sync-every) of a row."""
     if name == "alone":
         return 1, "1"
-    return nodes, "1" if name in ("sync", "away") else name
+    return nodes, "1" if name in ("sync", "away") else name.partition(":")[0]
+
+
+def row_codec(name: str) -> str | None:
+    """The row's --outer-compress (None: --outer-compress as given to the benchmark, or the trainer's)."""
+    return name.partition(":")[2] or None
 
 
 def batch_problem(rows: list[str], nodes: int, device_batch: int, seq: int, total: int) -> str:
@@ -126,8 +143,8 @@ def batch_problem(rows: list[str], nodes: int, device_batch: int, seq: int, tota
     return f"--total-batch-size={total} is not divisible by {which}. Nearest valid: {nearest}."
 
 
-PASSED_ON = ("outer_lr", "outer_momentum", "outer_overlap", "sync_warmup_ratio", "grad_comm_dtype",
-             "param_comm_dtype", "packing")  # when given
+PASSED_ON = ("outer_lr", "outer_momentum", "outer_overlap", "outer_compress", "sync_warmup_ratio",
+             "grad_comm_dtype", "param_comm_dtype", "packing")  # when given
 
 
 def settings_of(args: argparse.Namespace, steps: int) -> dict[str, Any]:
@@ -137,7 +154,7 @@ def settings_of(args: argparse.Namespace, steps: int) -> dict[str, Any]:
 
 
 def trainer_flags(args: argparse.Namespace, steps: int, sync_every: str, out_dir: Path,
-                  resume: str = "never") -> list[str]:
+                  resume: str = "never", compress: str | None = None) -> list[str]:
     flags = ["--depth", str(args.depth), "--max-seq-len", str(args.seq), "--device-batch-size",
              str(args.device_batch_size), "--total-batch-size", str(args.total_batch_size),
              "--num-iterations", str(steps), "--seed", str(args.seed), "--sync-every", sync_every,
@@ -146,10 +163,12 @@ def trainer_flags(args: argparse.Namespace, steps: int, sync_every: str, out_dir
              "--tracking-uri", "none", "--run-name", "quality", "--data-dir", str(args.data_dir),
              "--tokenizer-dir", str(args.tokenizer_dir), "--out-dir", str(out_dir)]
     for name in PASSED_ON:  # unset: the trainer's defaults
-        if name == "outer_overlap" and sync_every == "1":  # no outer syncs to overlap: the trainer refuses it
+        if name in ("outer_overlap", "outer_compress") and sync_every == "1":  # no outer syncs: the trainer refuses
             continue
         if getattr(args, name) is not None:
             flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    if compress is not None:  # the row's own: after the benchmark's, so it wins
+        flags += ["--outer-compress", compress]
     return flags
 
 
@@ -272,7 +291,7 @@ def read_log(text: str, sync_every: str) -> dict[str, Any]:
 def run_row(name: str, args: argparse.Namespace, steps: int, settings: dict[str, Any]) -> Row:
     nodes, sync_every = plan(name, args.nodes)
     threads = args.cores if nodes == 1 else max(1, args.cores // nodes)
-    out_dir = args.work_dir / name
+    out_dir = args.work_dir / name.replace(":", "-")
     shutil.rmtree(out_dir, ignore_errors=True)  # --resume never, but an old checkpoint dir would still mix in
     out_dir.mkdir(parents=True)
     print(f"# {name}: {nodes} node(s) x {threads} thread(s), --sync-every {sync_every}, {steps} steps; "
@@ -283,8 +302,8 @@ def run_row(name: str, args: argparse.Namespace, steps: int, settings: dict[str,
             return trainer_flags(args, steps, sync_every, out_dir / f"node{node}", resume="auto")
         codes, wall, away = launch_away(nodes, threads, flags_of, out_dir, steps, args.row_timeout)
     else:
-        codes, wall = launch(nodes, threads, trainer_flags(args, steps, sync_every, out_dir), out_dir,
-                             args.row_timeout)
+        codes, wall = launch(nodes, threads, trainer_flags(args, steps, sync_every, out_dir,
+                                                           compress=row_codec(name)), out_dir, args.row_timeout)
     text = (out_dir / "node0.log").read_text(errors="replace")
     if wall > args.row_timeout:
         raise SystemExit(f"quality_bench: row {name} took over --row-timeout {args.row_timeout:.0f} s; logs in "
@@ -363,6 +382,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--outer-lr", type=float, default=None, help="passed to the trainer (default: its own)")
     p.add_argument("--sync-warmup-ratio", type=float, default=None, help="passed to the trainer (default: its own)")
     p.add_argument("--outer-momentum", type=float, default=None, help="passed to the trainer (default: its own)")
+    p.add_argument("--outer-compress", choices=OUTER_CODECS, default=None,
+                   help="passed to the trainer for every H row (default: its own; a row's :codec wins)")
     p.add_argument("--outer-overlap", choices=("auto", "on", "off"), default=None,
                    help="passed to the trainer's DiLoCo rows (default: its own)")
     for name in ("--grad-comm-dtype", "--param-comm-dtype"):  # what the wire's rounding costs

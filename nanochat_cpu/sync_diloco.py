@@ -24,6 +24,13 @@ theta_global stays bit-identical on every node. Deltas travel in --grad-comm-dty
 then hands theta_global to its node's other ranks (shared memory: they read the same weights;
 Gloo within the node: a broadcast).
 
+With --outer-compress (outer_codec.py) both halves travel quantized instead, int8, int4 or int2 per
+block of 256 values: each leader quantizes its weighted delta plus what it did not send last time
+(its residual, error feedback), and each owner its slice's update plus its own residual; every
+leader adds the same decoded updates, so theta_global stays bit-identical. The residuals are
+checkpointed with the momentum; on another set of nodes the deltas' residuals are summed and
+shared out equally (their sum is what is still owed), the updates' joined as slices.
+
 Local steps cost the most quality early, while the model changes fastest (Lin et al.'s post-local
 SGD; DiLoCo itself starts from a pretrained model): the trainer runs the first --sync-warmup-ratio
 of the steps synchronously, checkpoints, and every node then continues the whole synchronous
@@ -60,6 +67,7 @@ import torch
 import torch.distributed as dist
 
 from .dist import EXIT_MISMATCH, DistEnv, Watchdog, fail, node_index
+from .outer_codec import BlockCodec, send_with_feedback
 from .perf import sync
 from .sync_strategy import all_gather, wait_timed
 
@@ -167,8 +175,9 @@ class DiLoCo:
 
     def __init__(self, model: torch.nn.Module, nodes: Nodes, token_share: float, outer_lr: float,
                  outer_momentum: float, grad_dtype: torch.dtype, param_dtype: torch.dtype,
-                 shared_params: bool):
+                 shared_params: bool, codec: BlockCodec | None = None):
         self.params = list(model.parameters())
+        self.codec = codec  # --outer-compress: both halves quantized, with error feedback (None: the dtypes)
         self.nodes, self.weight = nodes, token_share  # weight: the node's share where no step was counted
         self.rows = [0, 0]  # this node's rows and every node's, over the inner steps since the last sync
         self.lr, self.mu = outer_lr, outer_momentum
@@ -193,11 +202,25 @@ class DiLoCo:
         self.theta = torch.zeros(full, dtype=torch.float32, device=device)  # theta_global
         self.flatten_into(self.theta)
         self.local = torch.zeros_like(self.theta)  # theta_n, then the weighted delta
-        self.recv = torch.empty(full, dtype=grad_dtype, device=device)
-        self.send = self.local if grad_dtype == torch.float32 else torch.empty_like(self.recv)
         self.momentum = torch.zeros(self.shard, dtype=torch.float32, device=device)
         self.new_slice = torch.zeros(self.shard, dtype=torch.float32, device=device)
-        self.updates = None if param_dtype == torch.float32 else torch.empty(full, dtype=param_dtype, device=device)
+        # error feedback: what the codec dropped of this node's delta (every slice) and of the
+        # updates of the slice it owns, sent with the next ones. Without a codec they are None, but
+        # for a resume from a compressed run's checkpoint: then they go with the next sync, once
+        self.residual: torch.Tensor | None = None
+        self.update_residual: torch.Tensor | None = None
+        if codec is not None:
+            payload = codec.row_bytes(self.shard) * nodes.count  # a row of bytes per slice
+            self.recv = torch.empty(payload, dtype=torch.uint8, device=device)
+            self.send = torch.empty_like(self.recv)
+            self.updates = torch.empty_like(self.recv)
+            self.residual = torch.zeros_like(self.theta)
+            self.update_residual = torch.zeros_like(self.momentum)
+        else:
+            self.recv = torch.empty(full, dtype=grad_dtype, device=device)
+            self.send = self.local if grad_dtype == torch.float32 else torch.empty_like(self.recv)
+            self.updates = None if param_dtype == torch.float32 else torch.empty(full, dtype=param_dtype,
+                                                                                 device=device)
         # overlapped: the weights this node's phase began from, which the sync in flight will replace
         # (allocated by the first overlapped sync: --outer-overlap auto may never overlap)
         self.base: torch.Tensor | None = None
@@ -232,6 +255,8 @@ class DiLoCo:
     def sent_bytes(self) -> int:
         """What a leader sends per outer step: the others' slices of its delta, then its own slice
         of theta_global (or of its rounded update) to every other leader."""
+        if self.codec is not None:
+            return (self.nodes.count - 1) * 2 * self.codec.row_bytes(self.shard)
         others = (self.nodes.count - 1) * self.shard
         return others * (self.grad_dtype.itemsize + self.param_dtype.itemsize)
 
@@ -298,8 +323,16 @@ class DiLoCo:
         return 2 * self.crossing_s if self.flight is not None else 0.0
 
     def _delta(self, share: float) -> None:
-        """This node's weighted delta, theta_global - theta_n (theta_n in self.local), ready to send."""
+        """This node's weighted delta, theta_global - theta_n (theta_n in self.local), ready to send:
+        with a codec, quantized with what it dropped before (error feedback)."""
         delta = torch.sub(self.theta, self.local, out=self.local).mul_(share)
+        if self.codec is not None:
+            rows = self.nodes.count
+            self.send.copy_(send_with_feedback(self.codec, delta.view(rows, self.shard), self.residual).view(-1))
+            return
+        if self.residual is not None:  # a compressed run's residual, resumed without a codec: sent now
+            delta.add_(self.residual)
+            self.residual = None
         if self.send is not delta:
             self.send.copy_(delta)
 
@@ -307,12 +340,27 @@ class DiLoCo:
         """The nodes' deltas summed for this leader's slice, its outer update, and theta_global whole
         again on every leader; returns the squared norm of the summed slice and the seconds waited."""
         device = self.params[0].device
+        count, codec = self.nodes.count, self.codec
         waited = wait_timed(dist.all_to_all_single(self.recv, self.send, group=group, async_op=True), device)
-        summed = torch.sum(self.recv.view(self.nodes.count, self.shard), dim=0, dtype=torch.float32)
+        if codec is None:
+            summed = torch.sum(self.recv.view(count, self.shard), dim=0, dtype=torch.float32)
+        else:  # a node's row at a time, in node order: the same sum on every leader
+            summed = torch.zeros(self.shard, dtype=torch.float32, device=device)
+            for row in self.recv.view(count, 1, -1):
+                summed.add_(codec.decode(row, self.shard)[0])
         norm_sq = float(summed.double().square().sum())
         self.momentum.mul_(self.mu).add_(summed)
         step = summed.add_(self.momentum, alpha=self.mu).mul_(-self.lr)  # Nesterov: delta + mu m
         owned = self.theta[self.lo: self.lo + self.shard]
+        if codec is not None:  # every leader, the owner too, adds the same decoded updates: theta stays identical
+            payload = send_with_feedback(codec, step.view(1, self.shard), self.update_residual)
+            waited += wait_timed(all_gather(self.updates, payload.view(-1), group=group, async_op=True), device)
+            for owner, row in enumerate(self.updates.view(count, 1, -1)):
+                self.theta[owner * self.shard: (owner + 1) * self.shard].add_(codec.decode(row, self.shard)[0])
+            return norm_sq, waited
+        if self.update_residual is not None:  # a compressed run's residual, resumed without a codec
+            step.add_(self.update_residual)
+            self.update_residual = None
         if self.updates is None:
             torch.add(owned, step, out=self.new_slice)
             waited += wait_timed(all_gather(self.theta, self.new_slice, group=group, async_op=True), device)
@@ -407,6 +455,10 @@ class DiLoCo:
         state = {"nodes": self.nodes.count, "node": self.nodes.index, "outer_steps": self.outer_steps}
         if self.nodes.leader:
             state["momentum"] = self.momentum.clone()
+            if self.residual is not None:  # unpadded: merge_outer_states sums them over the nodes
+                state["residual"] = self.residual[: self.numel].clone()
+            if self.update_residual is not None:
+                state["update_residual"] = self.update_residual.clone()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -416,6 +468,10 @@ class DiLoCo:
             if self.nodes.leader:
                 mine = state["momentum"][self.lo: self.lo + self.shard]
                 self.momentum.zero_()[: mine.numel()].copy_(mine)
+                if "residual" in state:  # the old nodes' summed residual, in equal parts: the sum goes on
+                    self._load_residuals(state["residual"] / self.nodes.count, None)
+                if "update_residual" in state:
+                    self._load_residuals(None, state["update_residual"][self.lo: self.lo + self.shard])
             return
         if (state["nodes"], state["node"]) != (self.nodes.count, self.nodes.index):
             raise ValueError(
@@ -425,6 +481,19 @@ class DiLoCo:
         self.outer_steps = state["outer_steps"]
         if self.nodes.leader:
             self.momentum.copy_(state["momentum"])
+            self._load_residuals(state.get("residual"), state.get("update_residual"))
+
+    def _load_residuals(self, residual: torch.Tensor | None, update_residual: torch.Tensor | None) -> None:
+        """A checkpoint's error feedback, into this leader's residuals (allocated where this run
+        has no codec: they are sent with the next sync, once)."""
+        if residual is not None:
+            if self.residual is None:
+                self.residual = torch.zeros_like(self.theta)
+            self.residual.zero_()[: residual.numel()].copy_(residual)
+        if update_residual is not None:
+            if self.update_residual is None:
+                self.update_residual = torch.zeros_like(self.momentum)
+            self.update_residual.zero_()[: update_residual.numel()].copy_(update_residual)
 
 
 def merge_outer_states(saved: list[dict]) -> dict:
@@ -435,5 +504,13 @@ def merge_outer_states(saved: list[dict]) -> dict:
         raise ValueError(f"outer states of nodes {[s['node'] for s in slices]} of {slices[0]['nodes']}: merging "
                          f"needs every node's first rank's")
     momentum = torch.cat([s["momentum"] for s in slices])
-    return {"format": "whole", "outer_steps": slices[0]["outer_steps"], "momentum": momentum}
+    whole = {"format": "whole", "outer_steps": slices[0]["outer_steps"], "momentum": momentum}
+    # error feedback: what the codec has not yet sent of the nodes' deltas sums over the nodes (each
+    # is already weighted by its node's share), and the updates' residuals are slices like momentum
+    if any("residual" in s for s in slices):
+        whole["residual"] = torch.stack([s["residual"] for s in slices if "residual" in s]).sum(dim=0)
+    if any("update_residual" in s for s in slices):
+        whole["update_residual"] = torch.cat([s.get("update_residual", torch.zeros_like(s["momentum"]))
+                                              for s in slices])
+    return whole
 

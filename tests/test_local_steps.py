@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from nanochat_cpu import checkpoint_files
+from nanochat_cpu.outer_codec import codec_named, send_with_feedback
 from nanochat_cpu.outer_policy import AUTO_FIRST_PHASE
 from nanochat_cpu.run_state import RunState
 from tests.entry_points.local_steps_worker import OUTER_LR, OUTER_MOMENTUM
@@ -133,6 +134,67 @@ def test_outer_step_is_the_token_weighted_nesterov_update(tmp_path):
         assert not torch.equal(inner[0]["lm_head.weight"], inner[2]["lm_head.weight"])
 
 
+def flat(params: dict[str, torch.Tensor], length: int) -> torch.Tensor:
+    """The parameters as the outer step lays them out: one vector in the model's order, zero-padded."""
+    values = torch.cat([t.reshape(-1) for t in params.values()])
+    return torch.nn.functional.pad(values, (0, length - values.numel()))
+
+
+@pytest.mark.parametrize("compress", ["int8", "int2"])
+def test_compressed_outer_steps_send_quantized_deltas_and_updates_with_error_feedback(compress, tmp_path):
+    """Different batches on 3 nodes taking 1, 2 and 3 rows, outer lr 0.7 and Nesterov 0.9, both
+    halves of two outer syncs quantized: theta_global after each is what the codec defines (each
+    node's weighted delta plus its residual quantized per slice, the owners' updates plus theirs
+    quantized and added alike on every node), each leader's residuals are what the recurrence
+    leaves, and the result is not the uncompressed update's."""
+    rows = [1, 2, 3]
+    assert_ok(run_nodes(3, [WORKER, "weighted", str(tmp_path), ",".join(map(str, rows))],
+                        env_extra={"COMPRESS": compress}))
+    codec, lr, mu = codec_named(compress), OUTER_LR, OUTER_MOMENTUM
+    start = torch.load(tmp_path / "global.0.pt")
+    numel = sum(t.numel() for t in start.values())
+    shard = -(-numel // 3)
+    theta, momentum = flat(start, 3 * shard), torch.zeros(3 * shard)
+    residuals, update_residuals = [torch.zeros(3 * shard) for _ in rows], [torch.zeros(shard) for _ in rows]
+    for k in range(2):
+        received = []
+        for n, w in enumerate(rows):
+            delta = torch.sub(theta, flat(torch.load(tmp_path / f"node{n}.{k}.pt"), 3 * shard)).mul_(w / sum(rows))
+            received.append(codec.decode(send_with_feedback(codec, delta.view(3, shard), residuals[n]), shard))
+        updates, plain = [], []
+        for owner in range(3):
+            summed = torch.zeros(shard)
+            for r in received:
+                summed.add_(r[owner])
+            m = momentum[owner * shard: (owner + 1) * shard].mul_(mu).add_(summed)
+            step = summed.add_(m, alpha=mu).mul_(-lr)
+            plain.append(step.clone())
+            updates.append(codec.decode(send_with_feedback(codec, step.view(1, shard), update_residuals[owner]),
+                                        shard))
+        got = flat(torch.load(tmp_path / f"global.{k + 1}.pt"), 3 * shard)
+        torch.testing.assert_close(got, theta + torch.cat(updates, dim=1).view(-1), rtol=0, atol=0,
+                                   msg=f"outer step {k}")
+        assert not torch.allclose(got, theta + torch.cat(plain), rtol=1e-5, atol=1e-7)  # it was quantized
+        theta = got
+    for n in range(3):
+        state = torch.load(tmp_path / f"state{n}.pt")
+        assert torch.equal(state["residual"], residuals[n][:numel])
+        assert torch.equal(state["update_residual"], update_residuals[n])
+        assert state["residual"].abs().max() > 0
+
+
+def test_nodes_fed_identical_batches_end_within_a_quantum_of_one_node_alone_with_int8(one_node, tmp_path):
+    """As the test above, with the one outer sync at the end quantized to int8 both ways: each
+    parameter lands within a quantum of the largest delta (half of one per half) of where one node
+    alone does."""
+    out = tmp_path / "params.pt"
+    assert_ok(run_nodes(3, [WORKER, "identical", str(out), "4"], env_extra={"COMPRESS": "int8"}))
+    got, start = torch.load(out), torch.load(out.with_suffix(".start.pt"))
+    moved = max(float((one_node[name] - start[name]).abs().max()) for name in start)
+    worst = max(float((got[name] - one_node[name]).abs().max()) for name in start)
+    assert 0 < worst <= moved / 127 * 1.01, (worst, moved)
+
+
 def test_overlapped_outer_steps_land_one_phase_late_as_the_update_defines(tmp_path):
     """Different batches on 3 nodes taking 1, 2 and 3 rows, outer lr 0.7 and Nesterov 0.9, the first
     two outer steps overlapped: each node trains on from its own weights while a sync crosses, and
@@ -215,19 +277,26 @@ def test_checksum_guard_stops_every_rank_when_a_nodes_theta_global_diverged():
 
 # ---- the trainer ----------------------------------------------------------------------------------
 
-def test_trainer_local_steps_resume_reproduces_losses(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("compress", ["none", "int4"])
+def test_trainer_local_steps_resume_reproduces_losses(compress, tiny_data_dir, tiny_tokenizer_dir, tmp_path):
     """Two nodes at H = 4, checkpoints due every 2 steps: they are taken at the outer boundaries
-    only (theta_global, the outer momentum), and a run that died in an inner phase resumes from
-    the last boundary with the uninterrupted run's losses."""
+    only (theta_global, the outer momentum, with --outer-compress each leader's residuals), and a
+    run that died in an inner phase resumes from the last boundary with the uninterrupted run's
+    losses."""
     def flags(node: int) -> list[str]:
         return train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=4,
-                                        checkpoint_every=2, keep_checkpoints=5, sync_warmup_ratio=0))
+                                        checkpoint_every=2, keep_checkpoints=5, sync_warmup_ratio=0,
+                                        outer_compress=compress))
 
     first = two_nodes(flags)
     full = losses(first)
     assert sorted(full) == list(range(1, 13))
     assert re.findall(r"outer step (\d) at step (\d+)", first) == [("1", "00004"), ("2", "00008"), ("3", "00012")]
     assert "local steps: node 0 of 2 (ranks [0]), 50.0% of each inner step's tokens" in first
+    if compress != "none":
+        assert "(int4 per 256 values with error feedback, --outer-compress int4)" in first
+        saved = RunState.of_rank_file(torch.load(tmp_path / "n1" / "checkpoints" / "step_000008" / "rank1.pt"))
+        assert saved.outer["residual"].abs().max() > 0
     for node in range(2):
         saved = sorted(p.name for p in (tmp_path / f"n{node}" / "checkpoints").iterdir())
         assert saved == ["step_000004", "step_000008", "step_000012"]
@@ -245,17 +314,20 @@ def test_trainer_local_steps_resume_reproduces_losses(tiny_data_dir, tiny_tokeni
         assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
 
 
+@pytest.mark.parametrize("compress", ["none", "int2"])
 def test_trainer_overlapped_syncs_land_mid_phase_and_a_resume_from_a_whole_boundary_reproduces_losses(
-        tiny_data_dir, tiny_tokenizer_dir, tmp_path):
+        compress, tiny_data_dir, tiny_tokenizer_dir, tmp_path):
     """Two nodes at H = 2 with --outer-overlap on and a checkpoint due every 6 steps. The first sync
     (step 2) blocks and is timed: it sets how many inner steps a sync is given to cross. Those at 4,
     8 and 10 cross in the background and land then (mid-phase, or at the next boundary where that
     is H); those at 6 and 12 block, so that the checkpoints hold theta_global and nothing in
     flight. A run that died after step 6 resumes from it, with the landing the first run timed,
-    and repeats the uninterrupted run's losses."""
+    and repeats the uninterrupted run's losses; also with the syncs quantized (the codec runs in
+    the sync's thread, the residuals wait in the checkpoint)."""
     def flags(node: int) -> list[str]:
         return train_target(*tiny_flags(tiny_data_dir, tiny_tokenizer_dir, tmp_path / f"n{node}", sync_every=2,
-                                        outer_overlap="on", checkpoint_every=6, sync_warmup_ratio=0))
+                                        outer_overlap="on", checkpoint_every=6, sync_warmup_ratio=0,
+                                        outer_compress=compress))
 
     first = two_nodes(flags)
     full = losses(first)

@@ -214,10 +214,11 @@ def test_prune_keeps_what_it_sealed_and_never_touches_newer_checkpoints(tmp_path
 
 def test_local_steps_stop_mid_phase_then_go_on_with_a_node_more(tiny_data_dir, tiny_tokenizer_dir, tmp_path):
     """With local steps a stop mid-phase is made an outer boundary (the checkpoint holds theta_global);
-    a third node then continues node 0's inner optimizer, the outer state re-sharded over three."""
+    a third node then continues node 0's inner optimizer, the outer state re-sharded over three
+    (with --outer-compress, the two nodes' residuals summed and shared out)."""
     run = tmp_path / "run"
     flags = node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 2, num_iterations=400, checkpoint_every=100,
-                       sync_every=50, sync_warmup_ratio=0)
+                       sync_every=50, sync_warmup_ratio=0, outer_compress="int4")
     port = free_port()
     procs = [spawn_node(2, r, port, train_target(*f)) for r, f in enumerate(flags)]
     try:
@@ -231,7 +232,7 @@ def test_local_steps_stop_mid_phase_then_go_on_with_a_node_more(tiny_data_dir, t
     stop = int(re.search(r"stopped by SIGTERM after step (\d+) of 400", results[1][1]).group(1))
     assert f"outer step 1 at step {stop:05d}:" in results[1][1]  # the nodes met at the stop, not at step 50
     out = ok(run_nodes(node_flags(tiny_data_dir, tiny_tokenizer_dir, run, 3, num_iterations=stop + 4,
-                                  sync_every=50, sync_warmup_ratio=0)))
+                                  sync_every=50, sync_warmup_ratio=0, outer_compress="int4")))
     assert f"resumed step {stop}, written by 2 ranks" in out and "re-sharded to 3 ranks" in out, out
     resumed, before = losses(out), losses(seen + results[0][1])
     assert sorted(resumed) == list(range(stop + 1, stop + 5))

@@ -49,7 +49,8 @@ DEFAULT_FLAGS = (
     "--run-name d4 --device cpu --dtype auto --compile auto --depth 4 --max-seq-len 512 --device-batch-size 2 "
     "--total-batch-size {total} --packing bestfit --num-iterations 200 --grad-comm-dtype bfloat16 "
     "--param-comm-dtype bfloat16 --sync-every auto --outer-lr 1.0 --outer-momentum 0.0 --outer-overlap auto "
-    "--sync-warmup-ratio 0.05 --eval-every 100 --eval-tokens 16384 --sample-every 100 --checkpoint-every 50 "
+    "--outer-compress none --sync-warmup-ratio 0.05 --eval-every 100 --eval-tokens 16384 --sample-every 100 "
+    "--checkpoint-every 50 "
     "--resume auto --seed 42 --rank-batch-sizes {split}"
 )
 NODE_FLAGS = " --data-dir /d --tokenizer-dir /t --out-dir /r/{run} --run-id r1 --tracking-uri http://10.0.0.1:5000"
@@ -74,13 +75,14 @@ CASES = {
          "-e eval_every=-1 -e sample_every=0 -e checkpoint_every=0 -e without_checkpoints=true -e eval_tokens=8192 "
          "-e dtype=float32 "
          "-e compile=off -e resume=never -e seed=7 -e packing=stream -e sync_every=8 -e outer_lr=0.7 "
-         "-e outer_momentum=0.9 -e outer_overlap=on -e sync_warmup_ratio=0 -e grad_comm_dtype=float32 "
+         "-e outer_momentum=0.9 -e outer_overlap=on -e outer_compress=int4 -e sync_warmup_ratio=0 "
+         "-e grad_comm_dtype=float32 "
          "-e param_comm_dtype=float32 -e run_name=pinned").split(),
         "--run-name pinned --device cpu --dtype float32 --compile off --depth 8 --max-seq-len 256 "
         "--device-batch-size 4 --total-batch-size 2048 --packing stream --num-iterations 500 "
         "--grad-comm-dtype float32 --param-comm-dtype float32 --sync-every 8 --outer-lr 0.7 --outer-momentum 0.9 "
-        "--outer-overlap on --sync-warmup-ratio 0 --eval-every -1 --eval-tokens 8192 --sample-every 0 "
-        "--checkpoint-every 0 --resume never --seed 7" + NODE_FLAGS.format(run="pinned"),
+        "--outer-overlap on --outer-compress int4 --sync-warmup-ratio 0 --eval-every -1 --eval-tokens 8192 "
+        "--sample-every 0 --checkpoint-every 0 --resume never --seed 7" + NODE_FLAGS.format(run="pinned"),
     ),
     "extra-vars as JSON numbers": (
         {},
@@ -152,6 +154,7 @@ SETTINGS = {  # validate's defaults for the example inventory's two one-rank nod
     "num_iterations": 200, "eval_every": 100, "eval_tokens": 16384, "sample_every": 100, "checkpoint_every": 50,
     "train_device": "", "dtype": "auto", "compile": "auto", "resume": "auto", "seed": 42, "packing": "bestfit",
     "work_split": "auto", "sync_every": "auto", "outer_lr": 1.0, "outer_momentum": 0.0, "outer_overlap": "auto",
+    "outer_compress": "none",
     "sync_warmup_ratio": 0.05, "grad_comm_dtype": "bfloat16", "param_comm_dtype": "bfloat16", "extra_args": "",
     "device": "cpu", "train_rows": [2, 2], "nproc_per_node": [1, 1],
 }
@@ -195,6 +198,8 @@ def test_run_args_builds_the_pinned_argv() -> None:
         ({"extra_args": "--device tpu"}, "the trainer rejects its flags: argument --device: invalid choice: 'tpu'"),
         ({"sync_every": 1, "outer_overlap": "on"}, "outer_overlap=on overlaps the outer syncs of local steps: it "
                                                    "needs --sync-every above 1 or auto ("),
+        ({"sync_every": 1, "outer_compress": "int8"}, "outer_compress=int8 compresses the outer syncs of local "
+                                                       "steps: it needs --sync-every above 1 or auto ("),
         ({"seed": "4\n5"}, "seed='4\\n5' holds a line break, which would cut the unit's flags short"),
     ],
 )

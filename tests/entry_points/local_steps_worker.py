@@ -2,7 +2,8 @@
 
 `identical OUT H`: every node trains on the same batches (its ranks splitting them), STEPS inner
 steps, an outer sync every H steps and after the last, outer lr 1 and momentum 0; rank 0 writes
-the final parameters to OUT. Alone (no torchrun) the same steps on one process: the reference.
+the initial parameters to OUT with the suffix .start.pt and the final ones to OUT. Alone (no
+torchrun) the same steps on one process: the reference.
 `weighted OUT ROWS`: node n takes ROWS[n] rows of each global batch (different data on every node),
 two inner steps per outer step, two outer steps at outer lr 0.7 and Nesterov momentum 0.9;
 each node's first rank writes its parameters before each outer step (OUT/node{n}.{k}.pt) and
@@ -20,6 +21,8 @@ updates, which every leader adds to its own theta): the sync's thread must stop 
 LOCAL_COMM=auto|gloo: the node's ranks share memory (where there are two) or step through Gloo.
 OVERLAP=1 (`identical`): every outer step but the last overlaps the next phase, and lands one
 inner step later (at the next boundary where H is 1).
+COMPRESS=int8|int4|int2: the outer syncs travel quantized, with error feedback (`weighted` then also
+writes each node's first rank's outer state after the last outer step: OUT/state{n}.pt).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import torch.distributed as dist
 from nanochat_cpu.config import TrainConfig
 from nanochat_cpu.dist import Watchdog, check_parameters_agree
 from nanochat_cpu.optim import build_optimizer
+from nanochat_cpu.outer_codec import codec_named
 from nanochat_cpu.shm import make_arena
 from nanochat_cpu.sync_diloco import DiLoCo, find_nodes, open_background
 from tests.entry_points.dist_worker import GLOBAL_ROWS, SEQ, VOCAB, make_model, setup
@@ -67,7 +71,7 @@ def build(outer_lr: float, outer_momentum: float, rows: list[int], overlap: bool
         share = slice(start + nodes.rank_in_node * per_rank, start + (nodes.rank_in_node + 1) * per_rank)
         weight = node_rows / (sum(rows) if len(rows) == nodes.count else node_rows * nodes.count)
         diloco = DiLoCo(model, nodes, weight, outer_lr, outer_momentum, torch.float32, param_dtype,
-                        shared_params=arena is not None)
+                        shared_params=arena is not None, codec=codec_named(os.environ.get("COMPRESS", "none")))
     for g in opt.groups:
         # tiny gradients summed in another order stay small steps: at 1e-6 one embedding entry of
         # 2 nodes of 2 ranks landed 4.3e-5 from one node alone on a Zen 4; at 1e-5 every entry is within 1e-5
@@ -90,6 +94,8 @@ def save(model, path: Path) -> None:
 def identical(out: str, every: int) -> None:
     rows = [GLOBAL_ROWS]  # every node the same rows
     env, model, opt, diloco, share = build(1.0, 0.0, rows, overlap=os.environ.get("OVERLAP") == "1")
+    if env.rank == 0:
+        save(model, Path(out).with_suffix(".start.pt"))
     gen = torch.Generator().manual_seed(3)
     for step in range(1, STEPS + 1):
         inner_step(model, opt, torch.randint(0, VOCAB, (GLOBAL_ROWS, SEQ + 1), generator=gen), share, GLOBAL_ROWS)
@@ -118,6 +124,8 @@ def weighted(out: str, rows_arg: str) -> None:
         diloco.outer_step(0.0)
     if env.rank == 0:
         save(model, Path(out) / "global.2.pt")
+    if diloco.nodes.leader:
+        torch.save(diloco.state_dict(), Path(out) / f"state{diloco.nodes.index}.pt")
     check_parameters_agree(env, model, 4, Watchdog(env, 120))
 
 
