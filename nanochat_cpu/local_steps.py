@@ -301,8 +301,9 @@ class SteppingPlan:
         land_at = None
         if overlap and step + schedule.land_after < min(step + schedule.every, schedule.last):
             land_at = step + schedule.land_after  # else at the next boundary
+        exact = step == self.cfg.num_iterations and diloco.codec is not None  # the model the run ends with
         with self.watchdog.phase(diloco.phase, step):
-            outer = diloco.outer_step(last_step_s, step, overlap, land_at)
+            outer = diloco.outer_step(last_step_s, step, overlap, land_at, exact)
         if schedule.every is None or diloco.overlaps is None or (diloco.overlaps and schedule.land_after is None):
             self._choose_from_sync(outer, compute_rate, step)
         if outer.overlapped:
@@ -313,6 +314,9 @@ class SteppingPlan:
                         f"pseudo_grad_norm={outer.pseudo_grad_norm:.4f}")
         else:
             how = f"pseudo_grad_norm={outer.pseudo_grad_norm:.4f}"
+            if exact:
+                how += (f" (the run's last: --outer-compress {self.cfg.outer_compress} sends it in "
+                        f"--grad-comm-dtype and --param-comm-dtype with what its rounding still owed)")
             if outer.landed is not None:  # the overlapped one before it landed first: what it agreed on
                 how += (f"; outer step {diloco.outer_steps - 1} landed first, after {outer.landed.took_s:.2f}s in "
                         f"the background, pseudo_grad_norm={math.sqrt(outer.landed.norm_sq):.4f}")

@@ -209,18 +209,17 @@ class DiLoCo:
         # for a resume from a compressed run's checkpoint: then they go with the next sync, once
         self.residual: torch.Tensor | None = None
         self.update_residual: torch.Tensor | None = None
+        # the wire's buffers, (send, receive, updates): the codec's bytes, and the dtypes' values (with
+        # a codec only for the run's last sync, which is sent exactly: allocated then)
+        self.packed: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.wire: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None
         if codec is not None:
-            payload = codec.row_bytes(self.shard) * nodes.count  # a row of bytes per slice
-            self.recv = torch.empty(payload, dtype=torch.uint8, device=device)
-            self.send = torch.empty_like(self.recv)
-            self.updates = torch.empty_like(self.recv)
+            payload = torch.empty(codec.row_bytes(self.shard) * nodes.count, dtype=torch.uint8, device=device)
+            self.packed = (payload, torch.empty_like(payload), torch.empty_like(payload))  # a row per slice
             self.residual = torch.zeros_like(self.theta)
             self.update_residual = torch.zeros_like(self.momentum)
         else:
-            self.recv = torch.empty(full, dtype=grad_dtype, device=device)
-            self.send = self.local if grad_dtype == torch.float32 else torch.empty_like(self.recv)
-            self.updates = None if param_dtype == torch.float32 else torch.empty(full, dtype=param_dtype,
-                                                                                 device=device)
+            self._plain()
         # overlapped: the weights this node's phase began from, which the sync in flight will replace
         # (allocated by the first overlapped sync: --outer-overlap auto may never overlap)
         self.base: torch.Tensor | None = None
@@ -251,18 +250,32 @@ class DiLoCo:
             p.copy_(flat[offset: offset + p.numel()].view_as(p))
             offset += p.numel()
 
+    def _plain(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The buffers for the deltas and updates in --grad-comm-dtype and --param-comm-dtype (updates
+        None: theta_global's slices themselves travel, fp32)."""
+        if self.wire is None:
+            recv = torch.empty_like(self.theta, dtype=self.grad_dtype)
+            send = self.local if self.grad_dtype == torch.float32 else torch.empty_like(recv)
+            updates = (None if self.param_dtype == torch.float32
+                       else torch.empty_like(self.theta, dtype=self.param_dtype))
+            self.wire = (send, recv, updates)
+        return self.wire
+
     @property
     def sent_bytes(self) -> int:
+        return self.wire_bytes()
+
+    def wire_bytes(self, exact: bool = False) -> int:
         """What a leader sends per outer step: the others' slices of its delta, then its own slice
-        of theta_global (or of its rounded update) to every other leader."""
-        if self.codec is not None:
+        of theta_global (or of its rounded update) to every other leader; `exact`: the run's last."""
+        if self.codec is not None and not exact:
             return (self.nodes.count - 1) * 2 * self.codec.row_bytes(self.shard)
         others = (self.nodes.count - 1) * self.shard
         return others * (self.grad_dtype.itemsize + self.param_dtype.itemsize)
 
     @torch.no_grad()
     def outer_step(self, mean_step_s: float, step: int = 0, overlap: bool = False,
-                   land_at: int | None = None) -> OuterStats:
+                   land_at: int | None = None, exact: bool = False) -> OuterStats:
         """Collective over every rank; `mean_step_s` is this rank's mean inner step of the phase.
 
         Blocking (the default), every node is at theta_global when it returns (an overlapped sync
@@ -270,7 +283,11 @@ class DiLoCo:
         and each node trains on from its own weights; the sync lands at step `land_at` (`land`, a
         collective over the node's ranks) or else at the next outer step, and rebases the node's
         weights on the theta_global it brought (`_land`). Until then a node's own progress of the
-        phase stands in for the nodes' average of it (Streaming DiLoCo's overlap)."""
+        phase stands in for the nodes' average of it (Streaming DiLoCo's overlap). `exact` (the run's
+        last, blocking): with a codec, sent in the dtypes instead, with what the codec still owes, so
+        the model the run ends with holds no rounding of its last sync (the inner steps after a
+        quantized sync recover from its rounding; a run's end has none after it)."""
+        assert not (overlap and exact), "the run's last sync blocks"
         share = self.phase_share()  # every rank's count starts anew
         t0, cpu0 = time.perf_counter(), time.process_time()  # the process's CPU: its Gloo threads' too
         self.wait_s = 0.0
@@ -285,7 +302,7 @@ class DiLoCo:
                                      [landed.norm_sq, landed.slowest_step_s, landed.took_s],
                                      dtype=torch.float64, device=stats.device)
             else:
-                stats[0] = self._leader_step(share)
+                stats[0] = self._leader_step(share, exact)
                 everyone = torch.empty(self.nodes.count * 3, dtype=torch.float64, device=stats.device)
                 self._wait(all_gather(everyone, stats, group=self.nodes.leaders, async_op=True))
                 rows = everyone.view(self.nodes.count, 3)
@@ -299,16 +316,16 @@ class DiLoCo:
         self.lands_at = land_at if overlap else None
         sync(self.params[0].device)
         return OuterStats(time.perf_counter() - t0, self.wait_s, float(stats[0]) ** 0.5,
-                          self.sent_bytes if self.nodes.leader else 0, float(stats[1]), float(stats[2]), overlap,
+                          self.wire_bytes(exact) if self.nodes.leader else 0, float(stats[1]), float(stats[2]), overlap,
                           time.process_time() - cpu0, None if overlap else landed)
 
-    def _leader_step(self, share: float) -> float:
+    def _leader_step(self, share: float, exact: bool = False) -> float:
         """The outer update of this leader's slice, theta_global back on every leader and in this
         node's weights; returns the squared norm of the delta in this slice."""
         self.flatten_into(self.local)
-        self._delta(share)
+        self._delta(share, exact)
         t0 = time.perf_counter()
-        norm_sq, waited = self._exchange(self.nodes.leaders)
+        norm_sq, waited = self._exchange(self.nodes.leaders, exact)
         self.crossing_s = time.perf_counter() - t0
         self.wait_s += waited
         self.load_from(self.theta)
@@ -322,31 +339,34 @@ class DiLoCo:
         the last one took (leaders; the others' figure is never said)."""
         return 2 * self.crossing_s if self.flight is not None else 0.0
 
-    def _delta(self, share: float) -> None:
+    def _delta(self, share: float, exact: bool = False) -> None:
         """This node's weighted delta, theta_global - theta_n (theta_n in self.local), ready to send:
-        with a codec, quantized with what it dropped before (error feedback)."""
+        with a codec, quantized with what it dropped before (error feedback); `exact`, in the dtypes
+        with what the codec still owes."""
         delta = torch.sub(self.theta, self.local, out=self.local).mul_(share)
-        if self.codec is not None:
+        if self.codec is not None and not exact:
             rows = self.nodes.count
-            self.send.copy_(send_with_feedback(self.codec, delta.view(rows, self.shard), self.residual).view(-1))
+            self.packed[0].copy_(send_with_feedback(self.codec, delta.view(rows, self.shard), self.residual).view(-1))
             return
-        if self.residual is not None:  # a compressed run's residual, resumed without a codec: sent now
+        if self.residual is not None:  # owed: the run's last sync, or a compressed run resumed without a codec
             delta.add_(self.residual)
-            self.residual = None
-        if self.send is not delta:
-            self.send.copy_(delta)
+            self.residual = self.residual.zero_() if self.codec is not None else None
+        send = self._plain()[0]
+        if send is not delta:
+            send.copy_(delta)
 
-    def _exchange(self, group: dist.ProcessGroup | None) -> tuple[float, float]:
+    def _exchange(self, group: dist.ProcessGroup | None, exact: bool = False) -> tuple[float, float]:
         """The nodes' deltas summed for this leader's slice, its outer update, and theta_global whole
         again on every leader; returns the squared norm of the summed slice and the seconds waited."""
         device = self.params[0].device
-        count, codec = self.nodes.count, self.codec
-        waited = wait_timed(dist.all_to_all_single(self.recv, self.send, group=group, async_op=True), device)
+        count, codec = self.nodes.count, None if exact else self.codec
+        send, recv, updates = self.packed if codec is not None else self._plain()
+        waited = wait_timed(dist.all_to_all_single(recv, send, group=group, async_op=True), device)
         if codec is None:
-            summed = torch.sum(self.recv.view(count, self.shard), dim=0, dtype=torch.float32)
+            summed = torch.sum(recv.view(count, self.shard), dim=0, dtype=torch.float32)
         else:  # a node's row at a time, in node order: the same sum on every leader
             summed = torch.zeros(self.shard, dtype=torch.float32, device=device)
-            for row in self.recv.view(count, 1, -1):
+            for row in recv.view(count, 1, -1):
                 summed.add_(codec.decode(row, self.shard)[0])
         norm_sq = float(summed.double().square().sum())
         self.momentum.mul_(self.mu).add_(summed)
@@ -354,20 +374,19 @@ class DiLoCo:
         owned = self.theta[self.lo: self.lo + self.shard]
         if codec is not None:  # every leader, the owner too, adds the same decoded updates: theta stays identical
             payload = send_with_feedback(codec, step.view(1, self.shard), self.update_residual)
-            waited += wait_timed(all_gather(self.updates, payload.view(-1), group=group, async_op=True), device)
-            for owner, row in enumerate(self.updates.view(count, 1, -1)):
+            waited += wait_timed(all_gather(updates, payload.view(-1), group=group, async_op=True), device)
+            for owner, row in enumerate(updates.view(count, 1, -1)):
                 self.theta[owner * self.shard: (owner + 1) * self.shard].add_(codec.decode(row, self.shard)[0])
             return norm_sq, waited
-        if self.update_residual is not None:  # a compressed run's residual, resumed without a codec
+        if self.update_residual is not None:  # owed, as the delta's residual
             step.add_(self.update_residual)
-            self.update_residual = None
-        if self.updates is None:
+            self.update_residual = self.update_residual.zero_() if self.codec is not None else None
+        if updates is None:
             torch.add(owned, step, out=self.new_slice)
             waited += wait_timed(all_gather(self.theta, self.new_slice, group=group, async_op=True), device)
         else:  # every leader, the owner too, adds the same rounded update: theta stays identical
-            waited += wait_timed(all_gather(self.updates, step.to(self.param_dtype), group=group, async_op=True),
-                                 device)
-            self.theta.add_(self.updates)
+            waited += wait_timed(all_gather(updates, step.to(self.param_dtype), group=group, async_op=True), device)
+            self.theta.add_(updates)
         return norm_sq, waited
 
     # ---- overlapped: the sync crosses while the next phase trains ------------------------------------

@@ -140,16 +140,17 @@ def flat(params: dict[str, torch.Tensor], length: int) -> torch.Tensor:
     return torch.nn.functional.pad(values, (0, length - values.numel()))
 
 
-@pytest.mark.parametrize("compress", ["int8", "int2"])
-def test_compressed_outer_steps_send_quantized_deltas_and_updates_with_error_feedback(compress, tmp_path):
+@pytest.mark.parametrize(("compress", "exact_last"), [("int8", False), ("int2", True)])
+def test_compressed_outer_steps_send_quantized_deltas_and_updates_with_error_feedback(compress, exact_last, tmp_path):
     """Different batches on 3 nodes taking 1, 2 and 3 rows, outer lr 0.7 and Nesterov 0.9, both
     halves of two outer syncs quantized: theta_global after each is what the codec defines (each
     node's weighted delta plus its residual quantized per slice, the owners' updates plus theirs
     quantized and added alike on every node), each leader's residuals are what the recurrence
-    leaves, and the result is not the uncompressed update's."""
+    leaves, and the result is not the uncompressed update's. Sent as a run's last sync, the second
+    carries the residuals in fp32 instead, and none is left."""
     rows = [1, 2, 3]
     assert_ok(run_nodes(3, [WORKER, "weighted", str(tmp_path), ",".join(map(str, rows))],
-                        env_extra={"COMPRESS": compress}))
+                        env_extra={"COMPRESS": compress, "EXACT_LAST": "1" if exact_last else "0"}))
     codec, lr, mu = codec_named(compress), OUTER_LR, OUTER_MOMENTUM
     start = torch.load(tmp_path / "global.0.pt")
     numel = sum(t.numel() for t in start.values())
@@ -157,30 +158,42 @@ def test_compressed_outer_steps_send_quantized_deltas_and_updates_with_error_fee
     theta, momentum = flat(start, 3 * shard), torch.zeros(3 * shard)
     residuals, update_residuals = [torch.zeros(3 * shard) for _ in rows], [torch.zeros(shard) for _ in rows]
     for k in range(2):
+        exact = exact_last and k == 1
         received = []
         for n, w in enumerate(rows):
             delta = torch.sub(theta, flat(torch.load(tmp_path / f"node{n}.{k}.pt"), 3 * shard)).mul_(w / sum(rows))
-            received.append(codec.decode(send_with_feedback(codec, delta.view(3, shard), residuals[n]), shard))
+            if exact:
+                received.append(delta.add_(residuals[n]).view(3, shard))
+                residuals[n].zero_()
+            else:
+                received.append(codec.decode(send_with_feedback(codec, delta.view(3, shard), residuals[n]), shard))
         updates, plain = [], []
         for owner in range(3):
-            summed = torch.zeros(shard)
-            for r in received:
-                summed.add_(r[owner])
+            mine = [r[owner] for r in received]
+            summed = torch.sum(torch.stack(mine), dim=0, dtype=torch.float32) if exact else torch.zeros(shard)
+            for r in mine if not exact else []:
+                summed.add_(r)
             m = momentum[owner * shard: (owner + 1) * shard].mul_(mu).add_(summed)
             step = summed.add_(m, alpha=mu).mul_(-lr)
             plain.append(step.clone())
-            updates.append(codec.decode(send_with_feedback(codec, step.view(1, shard), update_residuals[owner]),
-                                        shard))
+            if exact:
+                updates.append(step.add_(update_residuals[owner]).view(1, shard))
+                update_residuals[owner].zero_()
+            else:
+                updates.append(codec.decode(send_with_feedback(codec, step.view(1, shard), update_residuals[owner]),
+                                            shard))
         got = flat(torch.load(tmp_path / f"global.{k + 1}.pt"), 3 * shard)
-        torch.testing.assert_close(got, theta + torch.cat(updates, dim=1).view(-1), rtol=0, atol=0,
-                                   msg=f"outer step {k}")
-        assert not torch.allclose(got, theta + torch.cat(plain), rtol=1e-5, atol=1e-7)  # it was quantized
+        expected = (theta.view(3, shard) + torch.cat(updates)).view(-1) if exact else \
+            theta + torch.cat(updates, dim=1).view(-1)
+        torch.testing.assert_close(got, expected, rtol=0, atol=0, msg=f"outer step {k}")
+        if not exact:
+            assert not torch.allclose(got, theta + torch.cat(plain), rtol=1e-5, atol=1e-7)  # it was quantized
         theta = got
-    for n in range(3):
-        state = torch.load(tmp_path / f"state{n}.pt")
-        assert torch.equal(state["residual"], residuals[n][:numel])
-        assert torch.equal(state["update_residual"], update_residuals[n])
-        assert state["residual"].abs().max() > 0
+        for n in range(3):
+            state = torch.load(tmp_path / f"state{n}.{k}.pt")
+            assert torch.equal(state["residual"], residuals[n][:numel])
+            assert torch.equal(state["update_residual"], update_residuals[n])
+            assert (state["residual"].abs().max() > 0) != exact
 
 
 def test_nodes_fed_identical_batches_end_within_a_quantum_of_one_node_alone_with_int8(one_node, tmp_path):
@@ -295,6 +308,8 @@ def test_trainer_local_steps_resume_reproduces_losses(compress, tiny_data_dir, t
     assert "local steps: node 0 of 2 (ranks [0]), 50.0% of each inner step's tokens" in first
     if compress != "none":
         assert "(int4 per 256 values with error feedback, --outer-compress int4)" in first
+        last = re.search(r"outer step 3 at step 00012: .*", first).group(0)
+        assert "(the run's last: --outer-compress int4 sends it in --grad-comm-dtype and --param-comm-dtype" in last
         saved = RunState.of_rank_file(torch.load(tmp_path / "n1" / "checkpoints" / "step_000008" / "rank1.pt"))
         assert saved.outer["residual"].abs().max() > 0
     for node in range(2):

@@ -22,7 +22,8 @@ LOCAL_COMM=auto|gloo: the node's ranks share memory (where there are two) or ste
 OVERLAP=1 (`identical`): every outer step but the last overlaps the next phase, and lands one
 inner step later (at the next boundary where H is 1).
 COMPRESS=int8|int4|int2: the outer syncs travel quantized, with error feedback (`weighted` then also
-writes each node's first rank's outer state after the last outer step: OUT/state{n}.pt).
+writes each node's first rank's outer state after each outer step: OUT/state{n}.{k}.pt);
+EXACT_LAST=1 sends `weighted`'s last one exactly, as a run's last.
 """
 
 from __future__ import annotations
@@ -121,11 +122,11 @@ def weighted(out: str, rows_arg: str) -> None:
             inner_step(model, opt, torch.randint(0, VOCAB, (sum(rows), SEQ + 1), generator=gen), share, node_rows)
         if diloco.nodes.leader:
             save(model, Path(out) / f"node{diloco.nodes.index}.{k}.pt")
-        diloco.outer_step(0.0)
+        diloco.outer_step(0.0, exact=k == 1 and os.environ.get("EXACT_LAST") == "1")
+        if diloco.nodes.leader:
+            torch.save(diloco.state_dict(), Path(out) / f"state{diloco.nodes.index}.{k}.pt")
     if env.rank == 0:
         save(model, Path(out) / "global.2.pt")
-    if diloco.nodes.leader:
-        torch.save(diloco.state_dict(), Path(out) / f"state{diloco.nodes.index}.pt")
     check_parameters_agree(env, model, 4, Watchdog(env, 120))
 
 
