@@ -20,7 +20,7 @@ and tokenizer, and reads rank 0's step lines.
 CPU shares: `even` gives every node --cpu-even CPUs; `half` gives node1 half of that (the laptop).
 Split `off` = the same rows on every rank; `on` = --rank-batch-sizes auto (measured at start).
 Comm `fp32` = gradients and parameters travel in fp32; `bf16` = --grad-comm-dtype and
---param-comm-dtype bfloat16 (half the bytes each way); `int8`, `int4`, `int2` = bf16, and the outer
+--param-comm-dtype bfloat16 (half the bytes each way); `int8`, `int4` = bf16, and the outer
 syncs of H > 1 quantized (--outer-compress). Solo runs always use fp32 (no wire).
 Tokens per step are set per depth (--tokens-per-step 4:3072,8:12288): the wire bytes per step are
 fixed by the model, so a larger step hides them behind more compute. `--batch-per cluster` (the
@@ -424,7 +424,7 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=256, help="short sequences keep a step short on a 0.3-CPU node")
     p.add_argument("--rows-per-rank", type=int, default=2, help="--device-batch-size (the split moves rows)")
     p.add_argument("--comms", default="fp32",
-                   help="on the wire: fp32, bf16 (gradients and updates), int8, int4, int2 (bf16, outer "
+                   help="on the wire: fp32, bf16 (gradients and updates), int8, int4 (bf16, outer "
                         "syncs quantized)")
     p.add_argument("--tokens-per-step", type=per_depth, default=per_depth("4:3072,8:12288"),
                    help="depth:tokens per optimizer step, each divisible by seq x rows x every world size")

@@ -33,7 +33,7 @@ PER_HOST_FIELDS = frozenset(
 # synchronous step costs a slow link's whole-model traffic, so the warm-up is kept to what the
 # quality needs
 SYNC_WARMUP_RATIO = 0.05
-OUTER_CODECS = ("none", "int8", "int4", "int2")  # --outer-compress (outer_codec.py)
+OUTER_CODECS = ("none", "int8", "int4")  # --outer-compress (outer_codec.py)
 
 RUN_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")  # what --run-id may be: a marker's id, a file name
 
@@ -162,9 +162,10 @@ class TrainConfig:
         default="none",
         metadata={"run_example": "none", "choices": OUTER_CODECS,
                   "help": "with local steps: how the outer syncs' deltas and updates travel: none = in "
-                          "--grad-comm-dtype and --param-comm-dtype; int8, int4, int2 = quantized to that many "
+                          "--grad-comm-dtype and --param-comm-dtype; int8, int4 = quantized to that many "
                           "bits, one scale per 256 values, with error feedback (what rounding dropped is sent "
-                          "with the next sync): about 2, 4 and 7.5 times fewer bytes than bf16"},
+                          "with the next sync; a run's last sync exact): about 2 and 4 times fewer bytes than "
+                          "bf16. int8 cost no measured quality, int4 some (docs/TRAINER.md)"},
     )
     # local steps cost the most quality early, while the model changes fastest (post-local SGD)
     sync_warmup_ratio: float = field(

@@ -9,7 +9,7 @@ Rows: `alone` = one node; `sync` = --nodes nodes with --sync-every 1 (every step
 ZeRO-2); each H of --sync-every (default 8,32,auto) = the same nodes training alone for H steps
 between outer syncs (DiLoCo; auto: the trainer picks H, column `H used`), after the trainer's
 synchronous warm-up (--sync-warmup-ratio, its default unless given); `32:int8` = H 32 with the
-outer syncs quantized (--outer-compress int8; int4, int2 alike). `away` = the sync row's
+outer syncs quantized (--outer-compress int8; int4 alike). `away` = the sync row's
 nodes, launched as the units launch them (elastic: --nnodes=N-1:N, the c10d rendezvous hosted by
 node 0, each node its own --out-dir), whose last node leaves (SIGTERM, as at a laptop's sleep)
 when rank 0 reaches a third of the steps and comes back at two thirds: the others train on
@@ -103,7 +103,7 @@ def h_values(text: str) -> list[str]:
     for value in values:
         if not is_h(value):
             raise argparse.ArgumentTypeError(f"--sync-every values are integers H > 1 or auto (H = 1 is the sync "
-                                             f"row), each with :int8, :int4 or :int2 to compress its outer syncs; "
+                                             f"row), each with :int8 or :int4 to compress its outer syncs; "
                                              f"got {value!r}")
     return [canonical(v) for v in values]
 
@@ -113,7 +113,7 @@ def row_names(text: str) -> list[str]:
     for name in names:
         if name not in ("alone", "sync", "away") and not is_h(name):
             raise argparse.ArgumentTypeError(f"rows are alone, sync, away, auto or an integer H > 1 (each H with "
-                                             f":int8, :int4 or :int2 to compress its outer syncs); got {name!r}")
+                                             f":int8 or :int4 to compress its outer syncs); got {name!r}")
     return [canonical(n) for n in names]
 
 

@@ -140,7 +140,7 @@ def flat(params: dict[str, torch.Tensor], length: int) -> torch.Tensor:
     return torch.nn.functional.pad(values, (0, length - values.numel()))
 
 
-@pytest.mark.parametrize(("compress", "exact_last"), [("int8", False), ("int2", True)])
+@pytest.mark.parametrize(("compress", "exact_last"), [("int8", False), ("int4", True)])
 def test_compressed_outer_steps_send_quantized_deltas_and_updates_with_error_feedback(compress, exact_last, tmp_path):
     """Different batches on 3 nodes taking 1, 2 and 3 rows, outer lr 0.7 and Nesterov 0.9, both
     halves of two outer syncs quantized: theta_global after each is what the codec defines (each
@@ -329,7 +329,7 @@ def test_trainer_local_steps_resume_reproduces_losses(compress, tiny_data_dir, t
         assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
 
 
-@pytest.mark.parametrize("compress", ["none", "int2"])
+@pytest.mark.parametrize("compress", ["none", "int4"])
 def test_trainer_overlapped_syncs_land_mid_phase_and_a_resume_from_a_whole_boundary_reproduces_losses(
         compress, tiny_data_dir, tiny_tokenizer_dir, tmp_path):
     """Two nodes at H = 2 with --outer-overlap on and a checkpoint due every 6 steps. The first sync

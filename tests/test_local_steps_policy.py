@@ -123,7 +123,7 @@ def test_auto_sets_the_first_inner_phase_from_the_warm_ups_wire_wait():
     # --outer-overlap auto: overlapped only where the blocking H would be capped
     assert first_outer_phase(wire_s=110.0, work_s=30.0, overlap=None)[0] == 70
     assert first_outer_phase(wire_s=300.0, work_s=30.0, overlap=None)[0] == 15  # 1.5 x 10, where blocking needs 190
-    # --outer-compress int2 with bf16 synchronous steps: an outer sync sends 0.53 / 4 of the bytes a value
+    # a codec's outer sync sends 0.133 of a bf16 synchronous step's bytes a value
     h, why = first_outer_phase(wire_s=300.0, work_s=30.0, overlap=None, bytes_ratio=0.133)
     assert h == 26 and "times 0.13 (--outer-compress" in why, why  # 19 x 300 x 0.133 / 30 = 25.3: blocking
 
@@ -135,7 +135,7 @@ def test_an_outer_sync_sends_the_codecs_bytes_per_value_over_a_synchronous_steps
     bf16 = {"grad_comm_dtype": "bfloat16", "param_comm_dtype": "bfloat16"}
     assert outer_bytes_ratio(TrainConfig(**bf16)) == 1.0
     assert outer_bytes_ratio(TrainConfig(outer_compress="int8", **bf16)) == pytest.approx(2.03 / 4, abs=1e-3)
-    assert outer_bytes_ratio(TrainConfig(outer_compress="int2")) == pytest.approx(0.53 / 8, abs=1e-3)  # fp32 wire
+    assert outer_bytes_ratio(TrainConfig(outer_compress="int4")) == pytest.approx(1.03 / 8, abs=1e-3)  # fp32 wire
 
 
 def test_a_resume_keeps_autos_warm_up_end_unless_the_restart_asks_for_a_shorter_warm_up():

@@ -43,9 +43,9 @@ def test_rows_and_their_plan():
     assert [plan(r, 3) for r in ("alone", "sync", "8", "auto")] == [(1, "1"), (3, "1"), (3, "8"), (3, "auto")]
     assert row_names("sync,away") == ["sync", "away"] and plan("away", 3) == (3, "1")  # synchronous, elastic
     # an H row's outer syncs compressed: the trainer gets --outer-compress, after any the benchmark passes on
-    assert row_names("32:int8,08:int2") == ["32:int8", "8:int2"] and h_values("32,32:int4") == ["32", "32:int4"]
+    assert row_names("32:int8,08:int4") == ["32:int8", "8:int4"] and h_values("32,32:int4") == ["32", "32:int4"]
     assert plan("32:int8", 3) == (3, "32") and row_codec("32:int8") == "int8" and row_codec("32") is None
-    for bad in ("32:int3", "sync:int8", "1:int8"):
+    for bad in ("32:int2", "sync:int8", "1:int8"):
         with pytest.raises(argparse.ArgumentTypeError):
             row_names(bad)
     flags = trainer_flags(parse_args(["--outer-compress", "int4"]), 10, "32", Path("/o"), compress="int8")

@@ -21,7 +21,7 @@ updates, which every leader adds to its own theta): the sync's thread must stop 
 LOCAL_COMM=auto|gloo: the node's ranks share memory (where there are two) or step through Gloo.
 OVERLAP=1 (`identical`): every outer step but the last overlaps the next phase, and lands one
 inner step later (at the next boundary where H is 1).
-COMPRESS=int8|int4|int2: the outer syncs travel quantized, with error feedback (`weighted` then also
+COMPRESS=int8|int4: the outer syncs travel quantized, with error feedback (`weighted` then also
 writes each node's first rank's outer state after each outer step: OUT/state{n}.{k}.pt);
 EXACT_LAST=1 sends `weighted`'s last one exactly, as a run's last.
 """
