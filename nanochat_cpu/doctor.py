@@ -252,7 +252,10 @@ def disk_space_problem(cfg, model, steps: list[int]) -> str | None:
         size, how = sizes[newest], f"the size of its step {newest}"
     else:
         weights = sum(v.numel() * v.element_size() for v in model.state_dict().values())
-        size, how = int(weights * CHECKPOINT_PER_WEIGHT_BYTE), "estimated from the model's weights"
+        per_weight = CHECKPOINT_PER_WEIGHT_BYTE
+        if cfg.outer_compress != "none" and cfg.sync_every != "1":  # each node's first rank: an fp32 residual
+            per_weight += 2  # of the whole model; two nodes at least (kept low, as above)
+        size, how = int(weights * per_weight), "estimated from the model's weights"
     need = (cfg.keep_checkpoints + 1) * size - held
     free = shutil.disk_usage(nearest_existing_dir(cfg.out_dir)).free
     if free >= need:

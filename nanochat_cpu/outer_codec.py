@@ -19,8 +19,8 @@ the next sync's value before quantizing, so over K syncs what was sent sums to w
 been, less one residual that stays under half a quantum per value (INTELLECT-1 ran int8 outer
 syncs; MuLoCo and SparseLoCo send 2-bit and sparse deltas with error feedback at DiLoCo's quality).
 The sender keeps one residual per half: each node for its delta, each owner for its slice's
-updates. Every node decodes the same bytes with the same arithmetic (an fp32 multiply, exact in
-IEEE on any CPU), so theta_global stays bit-identical across nodes.
+updates. Every node decodes the same bytes with the same arithmetic (an fp32 multiply, rounded
+alike by any IEEE CPU), so theta_global stays bit-identical across nodes.
 
 `encode` and `decode` work on rows (a row per destination: the all-to-all's slices), each padded
 to whole blocks inside the payload, so the outer state's slices are laid out as without a codec.

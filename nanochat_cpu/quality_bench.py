@@ -406,7 +406,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if problem:
         p.error(problem)
     steps = math.ceil(args.tokens / args.total_batch_size)
-    short = [r for r in args.rows if r.isdigit() and steps < int(r)]
+    short = [r for r in args.rows if r.partition(":")[0].isdigit() and steps < int(r.partition(":")[0])]
     if short:
         p.error(f"--tokens {args.tokens:,} is {steps} steps of {args.total_batch_size}: rows {short} would never "
                 f"sync (H > steps); raise --tokens")

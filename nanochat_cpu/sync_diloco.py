@@ -526,8 +526,11 @@ def merge_outer_states(saved: list[dict]) -> dict:
     whole = {"format": "whole", "outer_steps": slices[0]["outer_steps"], "momentum": momentum}
     # error feedback: what the codec has not yet sent of the nodes' deltas sums over the nodes (each
     # is already weighted by its node's share), and the updates' residuals are slices like momentum
-    if any("residual" in s for s in slices):
-        whole["residual"] = torch.stack([s["residual"] for s in slices if "residual" in s]).sum(dim=0)
+    owed = [s["residual"] for s in slices if "residual" in s]
+    if owed:  # summed one at a time: a stack would hold every node's copy of the model at once
+        whole["residual"] = owed[0].clone()
+        for residual in owed[1:]:
+            whole["residual"].add_(residual)
     if any("update_residual" in s for s in slices):
         whole["update_residual"] = torch.cat([s.get("update_residual", torch.zeros_like(s["momentum"]))
                                               for s in slices])

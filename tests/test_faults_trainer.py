@@ -755,6 +755,11 @@ def test_run_check_names_a_disk_too_small_for_the_runs_checkpoints(trained_run, 
         assert re.search(r"--out-dir=\S+/small/run: 2 MiB free on its disk, but the run's checkpoints need \d+ MiB "
                          r"more \(3 kept \+ 1 being written, 1\.\d MiB each: estimated from the model's weights\)\. "
                          r"Fix: free space", problem), problem
+        # compressed outer syncs: each node's first rank keeps an fp32 residual of the whole model
+        [compressed] = run_check(tiny_flags(tiny_data_dir, tiny_tokenizer_dir, small / "run", sync_every=4,
+                                            outer_compress="int4"))
+        each = [float(re.search(r"([\d.]+) MiB each", said).group(1)) for said in (problem, compressed)]
+        assert each[1] == pytest.approx(2 * each[0], rel=0.1), each  # two nodes at least: 2 + 2 bytes a weight byte
     finally:
         subprocess.run(["umount", str(small)], check=True)
     run, _ = copy_run(trained_run, tmp_path / "node0")  # 3 of its checkpoints held: room for one more needed

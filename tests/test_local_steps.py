@@ -315,6 +315,7 @@ def test_trainer_local_steps_resume_reproduces_losses(compress, tiny_data_dir, t
     for node in range(2):
         saved = sorted(p.name for p in (tmp_path / f"n{node}" / "checkpoints").iterdir())
         assert saved == ["step_000004", "step_000008", "step_000012"]
+    final = torch.load(tmp_path / "n0" / "checkpoints" / "step_000012" / "model.pt")
     # both nodes died in the inner phase after step 8: the boundary at 8 is the newest checkpoint
     for node in range(2):
         for step in ("step_000012",):
@@ -327,6 +328,10 @@ def test_trainer_local_steps_resume_reproduces_losses(compress, tiny_data_dir, t
     assert sorted(resumed) == [9, 10, 11, 12]
     for step, loss in resumed.items():
         assert loss == pytest.approx(full[step], abs=1e-4), f"step {step}: {loss} vs uninterrupted {full[step]}"
+    # and the model they end with: the last sync sends what the residuals resumed from step 8 owed
+    again = torch.load(tmp_path / "n0" / "checkpoints" / "step_000012" / "model.pt")
+    for name, tensor in final.items():
+        torch.testing.assert_close(again[name], tensor, rtol=1e-5, atol=1e-6, msg=name)
 
 
 @pytest.mark.parametrize("compress", ["none", "int4"])

@@ -123,7 +123,7 @@ def test_auto_sets_the_first_inner_phase_from_the_warm_ups_wire_wait():
     # --outer-overlap auto: overlapped only where the blocking H would be capped
     assert first_outer_phase(wire_s=110.0, work_s=30.0, overlap=None)[0] == 70
     assert first_outer_phase(wire_s=300.0, work_s=30.0, overlap=None)[0] == 15  # 1.5 x 10, where blocking needs 190
-    # a codec's outer sync sends 0.133 of a bf16 synchronous step's bytes a value
+    # a codec's outer sync sending 0.133 of a synchronous step's bytes a value
     h, why = first_outer_phase(wire_s=300.0, work_s=30.0, overlap=None, bytes_ratio=0.133)
     assert h == 26 and "times 0.13 (--outer-compress" in why, why  # 19 x 300 x 0.133 / 30 = 25.3: blocking
 

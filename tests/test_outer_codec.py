@@ -55,7 +55,6 @@ def test_error_feedback_sends_the_sum_of_the_values_less_one_bounded_residual(co
     drift = torch.full((1, n), 1e-3)  # below int4's half quantum of blocks whose largest is ~3
     residual = torch.zeros(n)
     sent_sum, true_sum, plain_sum = torch.zeros(1, n), torch.zeros(1, n), torch.zeros(1, n)
-    worst = 0.0
     for _ in range(steps):
         values = torch.randn(1, n, generator=gen) + drift
         true_sum += values
@@ -64,11 +63,10 @@ def test_error_feedback_sends_the_sum_of_the_values_less_one_bounded_residual(co
         sent_sum += codec.decode(payload, n)
         bound = values.view(-1, BLOCK).abs().amax(dim=1, keepdim=True) / codec.levels / 2
         assert torch.all(residual.view(-1, BLOCK).abs() <= bound * (1 + 1e-5))
-        worst = max(worst, float(residual.abs().max()))
     assert torch.allclose(sent_sum + residual, true_sum, atol=1e-3)
     fed = float((sent_sum - true_sum).abs().mean())
     plain = float((plain_sum - true_sum).abs().mean())
-    assert fed <= worst and fed < plain / 3, (codec.name, fed, plain)
+    assert fed < plain / 3, (codec.name, fed, plain)
 
 
 def leader(index: int, count: int, model: torch.nn.Module, codec: BlockCodec | None) -> DiLoCo:
@@ -80,7 +78,8 @@ def leader(index: int, count: int, model: torch.nn.Module, codec: BlockCodec | N
 def test_a_layout_change_keeps_the_sum_of_what_the_nodes_had_not_sent():
     """Three nodes' residuals merged for two: each new node carries half their sum (the nodes'
     deltas are summed, so the sum is what is still owed), and the owners' update residuals follow
-    their slices as the momentum does. A run resumed without a codec sends them with its next sync."""
+    their slices as the momentum does, also into a run without a codec (which sends them with its
+    next sync, once)."""
     model = torch.nn.Linear(37, 29)  # 1102 values: slices of 368 (3 nodes) and 551 (2)
     codec = BlockCodec(4)
     gen = torch.Generator().manual_seed(2)
