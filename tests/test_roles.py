@@ -552,13 +552,13 @@ def test_sync_every_and_the_outer_step_reach_the_trainer_flags(tmp_path: Path) -
     res = run_validate_on_localhost(tmp_path, {}, "-e", "sync_every=auto", "-e", "outer_lr=0.5")
     assert res.returncode == 0, res.stdout + res.stderr
     args = (tmp_path / "train_args").read_text()
-    assert ("--sync-every auto --outer-lr 0.5 --outer-momentum 0.0 --outer-overlap auto --sync-warmup-ratio 0.05"
-            in args), args
+    assert ("--sync-every auto --outer-lr 0.5 --outer-momentum 0.0 --outer-overlap auto --outer-compress none "
+            "--sync-warmup-ratio 0.05" in args), args
     res = run_validate_on_localhost(tmp_path, {}, "-e", "sync_every=8", "-e", "sync_warmup_ratio=0", "-e",
-                                    "outer_overlap=on")
+                                    "outer_overlap=on", "-e", "outer_compress=int8")
     assert res.returncode == 0, res.stdout + res.stderr
-    assert "--sync-every 8 --outer-lr 1.0 --outer-momentum 0.0 --outer-overlap on --sync-warmup-ratio 0 " in (
-        tmp_path / "train_args").read_text()
+    assert ("--sync-every 8 --outer-lr 1.0 --outer-momentum 0.0 --outer-overlap on --outer-compress int8 "
+            "--sync-warmup-ratio 0 ") in (tmp_path / "train_args").read_text()
     # nothing to overlap where every step is synchronous: the trainer's check names the extra-var's fix
     res = run_validate_on_localhost(tmp_path, {}, "-e", "sync_every=1", "-e", "outer_overlap=on")
     out = res.stdout + res.stderr

@@ -62,8 +62,8 @@ _real_exchange = sync_diloco.DiLoCo._exchange
 _outer_wire_s = float(os.environ.get("OUTER_WIRE_S", "0"))
 
 
-def slow_exchange(self, group):
-    norm_sq, waited = _real_exchange(self, group)
+def slow_exchange(self, group, exact=False):
+    norm_sq, waited = _real_exchange(self, group, exact)
     time.sleep(_outer_wire_s)
     return norm_sq, waited + _outer_wire_s
 
