@@ -91,14 +91,17 @@ def codec_named(name: str) -> BlockCodec | None:
     return None if name == "none" else BlockCodec(int(name.removeprefix("int")))
 
 
-def send_with_feedback(codec: BlockCodec, values: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+def send_with_feedback(codec: BlockCodec, values: torch.Tensor, residual: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
     """Error feedback: the payload for `values` [r, n] plus `residual` (what the quantizer dropped
     from this sender's values before, fp32, as many values), and `residual` becomes what it drops
     now. `values` is overwritten (it holds values + residual after). Over K syncs the decoded
     payloads sum to the values' sum plus the residual before the first less the one after the last.
-    A row at a time: the codec's temporaries stay a slice's size, not the model's."""
+    A row at a time: the codec's temporaries stay a slice's size, not the model's. `out`: where the
+    payload goes (the wire's buffer, viewed as rows), else a new tensor."""
     rows, n = values.shape
-    payload = torch.empty(rows, codec.row_bytes(n), dtype=torch.uint8, device=values.device)
+    payload = out if out is not None else torch.empty(rows, codec.row_bytes(n), dtype=torch.uint8,
+                                                      device=values.device)
     for i, kept in enumerate(residual.view(rows, n)):
         carried = values[i: i + 1].add_(kept)
         payload[i: i + 1] = codec.encode(carried)

@@ -346,7 +346,7 @@ class DiLoCo:
         delta = torch.sub(self.theta, self.local, out=self.local).mul_(share)
         if self.codec is not None and not exact:
             rows = self.nodes.count
-            self.packed[0].copy_(send_with_feedback(self.codec, delta.view(rows, self.shard), self.residual).view(-1))
+            send_with_feedback(self.codec, delta.view(rows, self.shard), self.residual, self.packed[0].view(rows, -1))
             return
         if self.residual is not None:  # owed: the run's last sync, or a compressed run resumed without a codec
             delta.add_(self.residual)
