@@ -396,9 +396,10 @@ def outer_bytes_ratio(cfg: TrainConfig) -> float:
 
 def compress_line(name: str) -> str:
     """The set-up line's word on --outer-compress."""
-    if name == "none":
+    codec = codec_named(name)
+    if codec is None:
         return ""
-    return f" ({name} per 256 values with error feedback, --outer-compress {name})"
+    return f" ({name}, a scale per {codec.block} values, with error feedback, --outer-compress {name})"
 
 
 def overlap_asked(cfg: TrainConfig, nodes: Nodes, saved: SavedSchedule | None = None) -> bool | None:

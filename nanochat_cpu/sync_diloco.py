@@ -24,8 +24,8 @@ theta_global stays bit-identical on every node. Deltas travel in --grad-comm-dty
 then hands theta_global to its node's other ranks (shared memory: they read the same weights;
 Gloo within the node: a broadcast).
 
-With --outer-compress (outer_codec.py) both halves travel quantized instead, int8 or int4 per
-block of 256 values: each leader quantizes its weighted delta plus what it did not send last time
+With --outer-compress (outer_codec.py) both halves travel quantized instead, int8 or int4 with a
+scale per block of values: each leader quantizes its weighted delta plus what it did not send last time
 (its residual, error feedback), and each owner its slice's update plus its own residual; every
 leader adds the same decoded updates, so theta_global stays bit-identical. The residuals are
 checkpointed with the momentum; on another set of nodes the deltas' residuals are summed and

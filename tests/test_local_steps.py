@@ -307,7 +307,7 @@ def test_trainer_local_steps_resume_reproduces_losses(compress, tiny_data_dir, t
     assert re.findall(r"outer step (\d) at step (\d+)", first) == [("1", "00004"), ("2", "00008"), ("3", "00012")]
     assert "local steps: node 0 of 2 (ranks [0]), 50.0% of each inner step's tokens" in first
     if compress != "none":
-        assert "(int4 per 256 values with error feedback, --outer-compress int4)" in first
+        assert "(int4, a scale per 32 values, with error feedback, --outer-compress int4)" in first
         last = re.search(r"outer step 3 at step 00012: .*", first).group(0)
         assert "(the run's last: --outer-compress int4 sends it in --grad-comm-dtype and --param-comm-dtype" in last
         saved = RunState.of_rank_file(torch.load(tmp_path / "n1" / "checkpoints" / "step_000008" / "rank1.pt"))

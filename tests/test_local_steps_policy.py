@@ -135,7 +135,7 @@ def test_an_outer_sync_sends_the_codecs_bytes_per_value_over_a_synchronous_steps
     bf16 = {"grad_comm_dtype": "bfloat16", "param_comm_dtype": "bfloat16"}
     assert outer_bytes_ratio(TrainConfig(**bf16)) == 1.0
     assert outer_bytes_ratio(TrainConfig(outer_compress="int8", **bf16)) == pytest.approx(2.03 / 4, abs=1e-3)
-    assert outer_bytes_ratio(TrainConfig(outer_compress="int4")) == pytest.approx(1.03 / 8, abs=1e-3)  # fp32 wire
+    assert outer_bytes_ratio(TrainConfig(outer_compress="int4")) == pytest.approx(1.125 / 8, abs=1e-3)  # fp32 wire
 
 
 def test_a_resume_keeps_autos_warm_up_end_unless_the_restart_asks_for_a_shorter_warm_up():
