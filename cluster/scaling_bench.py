@@ -42,11 +42,13 @@ starts at the first outer sync at or after the warm-up, and for auto also at or 
 H was picked, so the first outer sync (for auto the one H is measured on) stays out. An integer H
 runs H x max(1, ceil(warmup / H)) + 2H steps: exactly two whole periods measured. Where the syncs
 overlap the inner steps (--outer-overlap), the run's last sync still blocks, once a run: a window
-never ends at the last step then. auto runs --auto-steps steps (H is not known before: the trainer
-caps it at 100) and measures every whole period after the pick (column `periods`); it stops with the
-step count to use when not even one fits. `--auto-periods N` cuts an auto run once N whole periods
-after the pick are logged: a long --auto-steps then costs nothing past them (at 10 Mbit/s a period
-is 40 minutes).
+never ends at the last step then; and it starts at a sync that crosses in the background, so the
+period after auto's timed first sync, which blocks, stays out as well: its steps ran with no sync
+behind them (counted, it read 0.96 at depth 12 over 10 Mbit/s). auto runs --auto-steps steps (H
+is not known before: the trainer caps it at 100) and measures every whole period after the pick
+(column `periods`); it stops with the step count to use when not even one fits. `--auto-periods N`
+cuts an auto run once N whole periods of its window are logged: a long --auto-steps then costs
+nothing past them (at 10 Mbit/s a period is 30-40 minutes).
 
 A cluster run is measured once rank 0 gives its verdict at the last step (`at the end:`): the
 bench then SIGKILLs the trainers rather than wait for the run's final checkpoint (every rank's state
@@ -184,7 +186,12 @@ def window_starts(out: str, sync_every: str, warmup: int) -> tuple[int | None, l
     h = int(picked.group(1)) if picked else int(sync_every)
     # the step in progress when auto picked H: the last step line before the pick
     since = max([int(m.group(1)) for m in STEP.finditer(out, 0, picked.start())], default=0) if picked else 0
-    return h, [s for s in (int(m.group(1)) for m in OUTER.finditer(out)) if s >= max(warmup, since)]
+    boundaries = [m for m in OUTER.finditer(out) if int(m.group(1)) >= max(warmup, since)]
+    if OVERLAPPED in out:
+        # a period is measured from a sync that crosses in its background: the period after a
+        # blocking one (auto's timed first) runs without one, so its steps are not the run's
+        boundaries = [m for m in boundaries if OVERLAPPED in out[m.start():out.find("\n", m.start())]]
+    return h, [int(m.group(1)) for m in boundaries]
 
 
 def measured_window(out: str, sync_every: str, warmup: int, num_steps: int) -> tuple[int, int, int]:
@@ -443,7 +450,8 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=4, help="steps of a --sync-every 1 run")
     p.add_argument("--auto-steps", type=int, default=100, help="steps of a --sync-every auto run")
     p.add_argument("--auto-periods", type=int, default=0,
-                   help="cut an auto run once it logged this many whole periods after its pick (0: run --auto-steps)")
+                   help="cut an auto run once it logged this many measured whole periods (after its pick; overlapped, "
+                        "after its first sync in the background) (0: run --auto-steps)")
     p.add_argument("--solo-steps", type=int, default=None, help="steps of the solo runs (default --steps)")
     p.add_argument("--warmup-steps", type=int, default=2)
     p.add_argument("--solos-from", type=Path, action="append", default=[],

@@ -105,11 +105,26 @@ def test_auto_window_starts_after_the_pick():
     assert measured_window(auto_output(10, 60, first=4), "auto", 0, 60) == (4, 54, 10)
 
 
-def test_an_overlapped_run_is_not_measured_to_its_last_step_whose_sync_blocks():
+def overlapped_auto_output(h: int, steps: int) -> str:
+    """auto overlapped, as the trainer logs it: the timed first sync (step 2) and the run's last block,
+    the ones between cross in the background."""
+    out = auto_output(h, steps)
+    lines = out.splitlines(keepends=True)
+    outer = [i for i, line in enumerate(lines) if " outer step " in line]
+    for i in outer[1:-1]:
+        lines[i] = lines[i].replace(f"H={h}\n", f"H={h} overlapped: it crosses in the background\n")
+    return "".join(lines)
+
+
+def test_an_overlapped_run_is_measured_from_a_sync_in_the_background_to_one_before_its_last():
     """With --outer-overlap the run's last sync blocks, once a run: a window that ended there would
-    charge it to a period (auto's H = 32 of 130 steps ended one there and measured 0.68)."""
-    out = auto_output(10, 52).replace("H=10\n", "H=10 overlapped: it crosses in the background\n")
-    assert measured_window(out, "auto", 2, 52) == (2, 42, 10)
+    charge it to a period (auto's H = 32 of 130 steps ended one there and measured 0.68). The period
+    after auto's timed first sync, which blocks, has no sync behind its steps: a window starting
+    there read 0.96 at depth 12 over 10 Mbit/s."""
+    out = overlapped_auto_output(10, 52)
+    assert measured_window(out, "auto", 2, 52) == (12, 42, 10)
+    assert whole_periods_logged(out, 2) == 3  # steps 13-42
+    assert whole_periods_logged(out[: out.index(step_line(23, 52, 1000))], 2) == 1  # steps 13-22
     assert measured_window(auto_output(10, 52), "auto", 2, 52) == (2, 52, 10)  # blocking: a period like any
 
 
