@@ -33,51 +33,55 @@ CUDA_CHUNK_ELEMENTS = 1 << 26
 # Rows of logits made at once: 128 MiB of fp32 values, all of them at 1,024 tokens and a 32,768
 # vocabulary; at 16,384 tokens a step the 2-GiB logits never exist whole (peak RSS, see above)
 LOGITS_BLOCK_ELEMENTS = 1 << 25
-MAX_UNSHIFTED_CAP = 40.0  # sum over a 2^17 vocabulary of exp(40) is ~3e22, far below fp32's 3e38
 # tanh is written with exp: torch's CPU tanh goes through MKL's vector library, which an AVX2 AMD
 # EPYC runs at 0.56 G values/s, the exp form (exp and four cheap passes) at 0.95. sigmoid and
 # exp2 are faster still but give a different last bit at the end of each thread's range of
-# elements (a scalar tail), so a row's loss would depend on how the batch is split into ranks.
+# elements (a scalar tail), so a row's loss would depend on how the batch is split into ranks
+# (sigmoid_backward, below, is plain arithmetic: its tail computes what its vector loop does).
 
 
-def _chunk_losses(z: torch.Tensor, targets: torch.Tensor, cap: float, grad: bool) -> torch.Tensor:
-    """Per-row losses of one chunk of raw logits `z`; with `grad`, `z` becomes dLoss_i/dz, in place.
+def _chunk_losses(u: torch.Tensor, targets: torch.Tensor, cap: float, grad: bool) -> torch.Tensor:
+    """Per-row losses of one chunk of scaled logits `u = 2z / cap`; with `grad`, `u` becomes
+    dLoss_i/dz / 4, in place.
 
-    Eleven passes over the chunk, seven of them cheap arithmetic. Capped logits lie in (-cap,
-    cap), so exp() of them can neither overflow nor underflow in fp32 for any cap below ~40
-    (nanochat's is 15): the log-sum-exp needs no max pass and no shift.
+    The 2 / cap rides in the GEMM that makes `u` (its input is scaled, N x d values, not N x V), and
+    the factor 4 in the scale backward() applies. Everything else is in terms of
+    r = 1 / (1 + exp(u)): the capped logit is cap * tanh(z / cap) = cap - 2 cap r, its exp shifted
+    by the cap is exp(-2 cap r), in (exp(-2 cap), 1], which needs no max pass and cannot overflow
+    (nor underflow in fp32 for caps below ~43; nanochat's is 15), and its derivative is
+    4 r (1 - r). Eight passes over the chunk, two of them exp.
     """
-    t = z.float()  # a copy for bf16 logits; fp32 logits are worked on in place
-    # tanh(z / cap) = 1 - 2 / (exp(2z / cap) + 1); exp's overflow to inf gives 1, as tanh does
-    t.mul_(2.0 / cap).exp_().add_(1.0).reciprocal_().mul_(-2.0).add_(1.0)
-    e = torch.mul(t, cap)
-    if cap > MAX_UNSHIFTED_CAP:
-        e.sub_(cap)
-    e.exp_()
+    r = u.float()  # a copy for bf16 logits; fp32 logits are worked on in place
+    r.exp_().add_(1.0).reciprocal_()  # exp's overflow to inf gives r = 0, tanh = 1
+    e = torch.mul(r, -2.0 * cap).exp_()
     total = e.sum(dim=1)
-    lse = total.log()
-    if cap > MAX_UNSHIFTED_CAP:
-        lse.add_(cap)
     valid = targets != IGNORE_INDEX
     columns = targets.clamp(min=0)[:, None]  # ignored positions read column 0, then count for nothing
-    picked = t.gather(1, columns).squeeze(1).mul_(cap)
-    losses = torch.where(valid, lse - picked, 0.0)
+    # lse - picked = (log(total) + cap) - (cap - 2 cap r_target)
+    picked = r.gather(1, columns).squeeze(1).mul_(2.0 * cap)
+    losses = torch.where(valid, total.log().add_(picked), 0.0)
     if grad:
         p = e.mul_((valid / total)[:, None])  # softmax of the capped logits; ignored rows become 0
         p.scatter_add_(1, columns, -valid[:, None].to(p.dtype))
-        # d(cap * tanh(z / cap))/dz = 1 - tanh^2: dz = p * (1 - t^2), one pass written over t
-        torch.ops.aten.tanh_backward.grad_input(p, t, grad_input=t)
-        if t.data_ptr() != z.data_ptr():
-            z.copy_(t)
+        # dLoss/dz = p * (1 - tanh^2) = p * 4 r (1 - r): the 4 waits for backward(); one pass over r
+        torch.ops.aten.sigmoid_backward.grad_input(p, r, grad_input=r)
+        if r.data_ptr() != u.data_ptr():
+            u.copy_(r)
     return losses
 
 
-def _losses_by_chunk(z: torch.Tensor, targets: torch.Tensor, cap: float, grad: bool) -> torch.Tensor:
-    """Per-row losses of the whole logits buffer, walked in cache-sized row chunks."""
-    per_chunk = CUDA_CHUNK_ELEMENTS if z.is_cuda else CHUNK_ELEMENTS_PER_THREAD * torch.get_num_threads()
-    rows = max(1, per_chunk // z.size(1))
-    return torch.cat([_chunk_losses(z[s:s + rows], targets[s:s + rows], cap, grad)
-                      for s in range(0, z.size(0), rows)])
+def _losses_by_chunk(u: torch.Tensor, targets: torch.Tensor, cap: float, grad: bool) -> torch.Tensor:
+    """Per-row losses of the whole scaled logits buffer, walked in cache-sized row chunks."""
+    per_chunk = CUDA_CHUNK_ELEMENTS if u.is_cuda else CHUNK_ELEMENTS_PER_THREAD * torch.get_num_threads()
+    rows = max(1, per_chunk // u.size(1))
+    return torch.cat([_chunk_losses(u[s:s + rows], targets[s:s + rows], cap, grad)
+                      for s in range(0, u.size(0), rows)])
+
+
+def _scaled_logits(x: torch.Tensor, head: torch.Tensor, cap: float) -> torch.Tensor:
+    """u = 2 (x @ head.T) / cap, the scaling done on x's (N x d) values instead of the (N x V) logits.
+    Under bf16 autocast bf16, as autograd's own matmul would make them."""
+    return (x * (2.0 / cap)) @ head.t()
 
 
 def _row_blocks(n: int, vocab: int) -> list[slice]:
@@ -121,8 +125,8 @@ class _SoftcappedCrossEntropy(torch.autograd.Function):
         losses, head_z = [], None
         for i, rows in enumerate(_row_blocks(x.size(0), vocab)):
             xb = x[rows]
-            z = xb @ head.t()  # under bf16 autocast bf16 logits, as autograd's own matmul would make
-            losses.append(_losses_by_chunk(z, targets[rows], cap, grad=True))
+            z = _scaled_logits(xb, head, cap)
+            losses.append(_losses_by_chunk(z, targets[rows], cap, grad=True))  # z is now dLoss/dlogits / 4
             head_z = head.to(z.dtype) if head_z is None else head_z
             with torch.autocast(x.device.type, enabled=False):  # the dtypes are chosen here
                 _mm_into(grad_x[rows], z, head_z, add=False)
@@ -140,7 +144,7 @@ class _SoftcappedCrossEntropy(torch.autograd.Function):
                                "backward: backpropagate it once (retain_graph=True and a second backward are not "
                                "supported)")
         (grad_x, grad_w), ctx.grads = ctx.grads, None
-        scale = grad_loss / ctx.valid
+        scale = grad_loss * 4.0 / ctx.valid  # the chunks' gradients are a quarter of dLoss/dlogits
         return grad_x.mul_(scale), grad_w.mul_(scale), None, None, None
 
 
@@ -164,7 +168,7 @@ def softcapped_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: tor
         return _SoftcappedCrossEntropy.apply(x, weight, targets, cap, vocab)
     if reduction not in ("mean", "none") or needs_grad:
         raise ValueError(f"reduction={reduction!r}: 'mean', or 'none' without gradients")
-    losses = torch.cat([_losses_by_chunk(x[rows] @ weight[:vocab].t(), targets[rows], cap, grad=False)
+    losses = torch.cat([_losses_by_chunk(_scaled_logits(x[rows], weight[:vocab], cap), targets[rows], cap, grad=False)
                         for rows in _row_blocks(x.size(0), vocab)])
     if reduction == "none":
         return losses
