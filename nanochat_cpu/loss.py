@@ -34,9 +34,10 @@ CUDA_CHUNK_ELEMENTS = 1 << 26
 # vocabulary; at 16,384 tokens a step the 2-GiB logits never exist whole (peak RSS, see above)
 LOGITS_BLOCK_ELEMENTS = 1 << 25
 # tanh is written with exp: torch's CPU tanh goes through MKL's vector library, which an AVX2 AMD
-# EPYC runs at 0.56 G values/s, the exp form (exp and four cheap passes) at 0.95. sigmoid and
-# exp2 are faster still but give a different last bit at the end of each thread's range of
-# elements (a scalar tail), so a row's loss would depend on how the batch is split into ranks
+# EPYC runs at 0.56 G values/s, the exp form at 0.95 (measured with four cheap passes after the
+# exp; r below needs two). sigmoid and exp2 are faster still but give a different last bit at the
+# end of each thread's range of elements (a scalar tail), so a row's loss would depend on how the
+# batch is split into ranks
 # (sigmoid_backward, below, is plain arithmetic: its tail computes what its vector loop does).
 
 

@@ -51,8 +51,7 @@ def test_loss_and_gradients_match_the_plain_form(dtype, cap):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_blocks_of_logits_give_the_same_loss_and_gradients(monkeypatch, dtype):
     """At 16,384 tokens a step the logits are made a block of rows at a time: 300 rows in blocks of
-    128, 128 and 44 must give what one block gives, the weight's gradient summed over the blocks;
-    and on a CPU each block's GEMMs a block of columns at a time (5,000 in 1,536, ..., 392)."""
+    128, 128 and 44 must give what one block gives, the weight's gradient summed over the blocks."""
     x, w, y = inputs()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         want = plain(x, w, y)
