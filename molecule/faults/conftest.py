@@ -60,7 +60,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Itera
     if rep.failed and case_of(item) is not None:
         what = call.excinfo.exconly() if call.excinfo else rep.longreprtext
         FAILURES.setdefault(item.module.__name__, (item.name, what))
+        cluster = item.funcargs.get("cluster") if call.when == "call" else None
+        if isinstance(cluster, Cluster):  # a red run explains itself: where every unit stood then
+            rep.sections.append(("the nodes when it failed", nodes_state(cluster)))
     return rep
+
+
+def nodes_state(cluster: Cluster) -> str:
+    """Every node's trainer units and their last journal lines, to the microsecond: a wait that ran
+    out shows what came before its start as well as after."""
+    cmd = ("systemctl list-units 'nanochat-*' --all --no-legend --no-pager; "
+           "journalctl -u 'nanochat-train@*' -o short-precise --no-pager -n 40")
+    return "\n".join(f"---- {n} (now {time.time():.3f}):\n{cluster.sh(n, cmd, check=False)}" for n in cluster.nodes)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

@@ -62,10 +62,11 @@ def clean_run(c: Cluster, run: Run) -> None:
 
 
 def run_state(c: Cluster, run: Run) -> str:
-    """Every node's unit state, checkpoint directories and last journal lines of this run: what a
-    failed wait shows, so that a case that failed once says why."""
+    """Every node's unit state, checkpoint directories and last journal lines of this run (their
+    times to the microsecond: what a wait missed before its start shows too): what a failed wait
+    shows, so that a case that failed once says why."""
     cmd = (f"systemctl is-active {run.unit}; ls {run.dir}/checkpoints 2>&1 | tail -n 5; df -h {run.dir} | tail -n 1; "
-           f"journalctl -u {run.unit} -o cat --no-pager --since @{run.started:.6f} | tail -n 25")
+           f"journalctl -u {run.unit} -o short-precise --no-pager --since @{run.started:.6f} | tail -n 25")
     return "\n".join(f"---- {n}:\n{c.sh(n, cmd, check=False)}" for n in c.nodes)
 
 
@@ -97,12 +98,13 @@ def wait_mid_interval(c: Cluster, unit: str, at_least: int, since: float, timeou
     return wait_for(f"a step >= {at_least} between checkpoints", probe, timeout, every=0.2)
 
 
-def wait_all_failed(c: Cluster, unit: str, what: str, timeout: float) -> dict[str, dict[str, str]]:
+def wait_all_failed(c: Cluster, unit: str, what: str, timeout: float,
+                    state: Callable[[], str] | None = None) -> dict[str, dict[str, str]]:
     """Each node's unit state, once the unit is `failed` on every node."""
     def probe():
         got = {n: c.unit(n, unit) for n in c.nodes}
         return got if all(u["ActiveState"] == "failed" for u in got.values()) else None
-    return wait_for(what, probe, timeout)
+    return wait_for(what, probe, timeout, state=state)
 
 
 def wait_active(c: Cluster, node: str, unit: str, timeout: float) -> bool:

@@ -86,11 +86,13 @@ def test_full_disk_stops_every_rank_with_exit_2(cluster: Cluster, small_disk: Di
     # once step 10's checkpoint is sealed, fill the node's disk
     wait_for("step 10's checkpoint", lambda: 10 in complete_steps(cluster, node, run), timeout=300, every=0.2,
              state=lambda: run_state(cluster, run))
-    cluster.sh(node, f"dd if=/dev/zero of={run.dir}/filler bs=1M 2>/dev/null || true")
+    # t0 before the fill: the ranks may reach step 20's write before `podman exec` has returned
     t0 = time.time()
+    cluster.sh(node, f"dd if=/dev/zero of={run.dir}/filler bs=1M 2>/dev/null || true")
     log(f"{node}: {run.dir} filled")
 
-    ended = wait_all_failed(cluster, run.unit, "every unit to stop on the full disk", timeout=COLLECTIVE_TIMEOUT + 60)
+    ended = wait_all_failed(cluster, run.unit, "every unit to stop on the full disk", timeout=COLLECTIVE_TIMEOUT + 60,
+                            state=lambda: run_state(cluster, run))
     full = {}
     for n, u in ended.items():
         # exit 2 is in RestartPreventExitStatus: a full disk needs a person, not a restart loop
@@ -116,7 +118,8 @@ def test_units_started_again_resume_from_step_10(cluster: Cluster, small_disk: D
     small_disk.started_again = t_again = time.time()
     start_everywhere(cluster, f"systemctl reset-failed {run.unit}; systemctl start {run.unit}")
     lines = wait_for("the run to resume", lambda: (j := cluster.journal(cluster.master, run.unit, t_again))
-                     and first(j, r"resumed from checkpoint step 10") and steps(j) and j, timeout=300, every=2)
+                     and first(j, r"resumed from checkpoint step 10") and steps(j) and j, timeout=300, every=2,
+                     state=lambda: run_state(cluster, run))
     case_report["disk_full"]["resumed_s_after_start"] = round(first(lines, r"resumed from")[0] - t_again, 1)
     small_disk.losses_before = {s: loss for _, s, loss in steps(cluster.journal(cluster.master, run.unit, run.started),
                                                                 before=t_again)}
@@ -129,23 +132,31 @@ def test_sigkill_mid_write_resumes_from_the_one_before(cluster: Cluster, small_d
     (COMPLETE.tmp): by then every disk has reported its write, the others seal the step, and the run
     rightly resumes from it (checkpoint_background.py's note); the test's kill is meant for the
     write. The kill still lands a moment after the file was seen: where that moment let the node
-    finish its write and the others seal, the step is resumed and the node must get it back."""
+    finish its write and the others seal, the step is resumed and the node must get it back.
+
+    The fault's time is the watcher's, taken just before its kill: the survivors' Gloo sees the
+    dead peer's sockets close within milliseconds and they exit at once, before `podman exec` has
+    returned (CI: a t0 taken after it missed their lines, and the wait for them ran out)."""
     run, node = small_disk.run, small_disk.node
     pid = cluster.unit(node, run.unit)["MainPID"]
     trainer = cluster.sh(node, f"pgrep -P {pid} -f nanochat_cpu.train").split()[0]
     watcher = (f"import glob, os, time\nend = time.time() + 120\n"
                f"while time.time() < end:\n"
                f"    hits = [h for h in glob.glob('{run.dir}/checkpoints/step_*/*.tmp.*') if '/COMPLETE.' not in h]\n"
-               f"    if hits:\n        os.kill({trainer}, 9)\n        print(' '.join(hits))\n        break\n")
-    killed = cluster.sh(node, f"python3 -c \"{watcher}\"", timeout=150).strip()
-    small_disk.last_fault = t0 = time.time()
-    assert killed != "", f"{node}: never saw a checkpoint being written"
+               f"    if hits:\n        t = time.time()\n        os.kill({trainer}, 9)\n"
+               f"        print(t, ' '.join(hits))\n        break\n")
+    seen = cluster.sh(node, f"python3 -c \"{watcher}\"", timeout=150).strip()
+    assert seen != "", f"{node}: never saw a checkpoint being written"
+    at, killed = seen.split(" ", 1)
+    small_disk.last_fault = t0 = float(at)  # the containers share the host's clock
     killed_step = int(re.search(r"step_(\d+)/", killed).group(1))
     left = cluster.sh(node, f"ls -A {run.dir}/checkpoints/step_{killed_step:06d}").split()
     log(f"SIGKILL {node} trainer {trainer} while writing {killed}; left {left}")
     assert "COMPLETE" not in left, f"{node}: step {killed_step} sealed despite the kill: {left}"
-    m = resume_after(cluster, run.unit, t0, node, timeout=300)
+    m = resume_after(cluster, run.unit, t0, node, timeout=300, state=lambda: run_state(cluster, run))
     check_resume(cluster, run.unit, t0, m, node, run.started)
+    log("the survivors' FATAL lines, seconds after the kill: "
+        + ", ".join(f"{n} {m[n]['fatal_s']}" for n in cluster.nodes if n != node))
     restored = first(cluster.journal(node, run.unit, t0),
                      rf"checkpoint step {killed_step} was missing on this disk: restored from rank")
     if restored is None:
@@ -177,7 +188,8 @@ def test_run_finishes(cluster: Cluster, small_disk: DiskRun, case_report: dict) 
         return all(cluster.unit(n, run.unit)["ActiveState"] == "inactive" and
                    first(cluster.journal(n, run.unit, small_disk.last_fault), rf"done: {run.iterations} steps")
                    for n in cluster.nodes)
-    wait_for(f"the run to finish step {run.iterations}", finished, timeout=400, every=3)
+    wait_for(f"the run to finish step {run.iterations}", finished, timeout=400, every=3,
+             state=lambda: run_state(cluster, run))
     for n in cluster.nodes:
         assert run.iterations in complete_steps(cluster, n, run), (
             f"{n}: no complete checkpoint for step {run.iterations}")
