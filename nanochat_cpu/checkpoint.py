@@ -234,7 +234,7 @@ def restore_missing(env: DistEnv, disks: Disks, step: int, everyone: list[dict[i
             continue
         for name in marker["files"]:  # one file in memory at a time
             data = Path(d, name).read_bytes() if env.rank == source else b""
-            got = send_bytes(env, disks, data, source, n, watchdog, f"checkpoint file {name}")
+            got = send_bytes(env, disks, data, source, n, watchdog, f"checkpoint step {step}'s {name}")
             if got is not None and problem is None:
                 size += len(got)
                 problem = (arrived_other_bytes(step, name, got, marker, env)
@@ -447,7 +447,7 @@ def check_bytes(env: DistEnv, disks: Disks, step: int, everyone: list[dict[int, 
         found = [differs]
         if env.distributed:
             found = [False] * env.world_size
-            with watchdog.phase(f"all_gather checkpoint check of {name}", 0):
+            with watchdog.phase(f"all_gather the sha256 check of checkpoint step {step}'s {name}", 0):
                 dist.all_gather_object(found, differs, group=disks.group)
         for w in disks.writers:
             if found[w]:

@@ -3,11 +3,20 @@
     FAULT_RANK=0 FAULT_STEP=8 FAULT_FILE=model.pt FAULT_MODE=kill python tests/entry_points/fault_train.py [train flags]
 
 When rank FAULT_RANK writes FAULT_FILE of checkpoint step FAULT_STEP (model.pt through
-atomic_torch_save, a rank's file through atomic_write_bytes):
+atomic_torch_save, a rank's file or the seal, COMPLETE, through atomic_write_bytes):
   kill    half of the file's bytes reach its temporary file, then the process SIGKILLs itself:
           a crash or power loss in the middle of a checkpoint, at a known point;
   enospc  the real write path runs and the disk "fills up" half way (OSError ENOSPC);
   hang    half of the bytes, then the write never returns, as on a dying disk or a hung mount.
+
+Three more points, with FAULT_MODE=kill, where a checkpoint waits on the wire rather than a disk
+(the bytes then cross in rounds of 8 KiB on every rank, so that each has several):
+  FAULT_FILE=transfer  rank FAULT_RANK dies in the second round of step FAULT_STEP's states
+                       crossing to every disk (checkpoint_transfer.exchange_bytes);
+  FAULT_FILE=restore   rank FAULT_RANK dies in the second round of a file it sends, at the start,
+                       to a disk that lacks the checkpoint (checkpoint.restore_missing);
+  FAULT_FILE=check     rank FAULT_RANK dies while it reads model.pt of the checkpoint the run
+                       resumes, to check its sha256 (checkpoint.check_bytes), the others waiting.
 Everything else is the real trainer.
 """
 
@@ -19,7 +28,7 @@ import time
 
 import torch
 
-from nanochat_cpu import checkpoint_files
+from nanochat_cpu import checkpoint, checkpoint_files, checkpoint_transfer
 
 _real_save = checkpoint_files.atomic_torch_save
 _target = (os.environ["FAULT_RANK"], f"step_{int(os.environ['FAULT_STEP']):06d}", os.environ["FAULT_FILE"])
@@ -103,8 +112,64 @@ def sabotaged_write_bytes(path: str, data, *progress) -> str:
         del checkpoint_files.open
 
 
+_real_exchange_bytes = checkpoint_transfer.exchange_bytes
+_real_exchange_chunk = checkpoint_transfer.exchange_chunk
+_real_send_bytes = checkpoint.send_bytes
+_real_bad_files = checkpoint.bad_files
+_rounds = {"armed": False, "done": 0}  # the wire's rounds on this rank since the target transfer began
+
+
+def _is_rank() -> bool:
+    return os.environ.get("RANK", "0") == _target[0]
+
+
+def sabotaged_exchange_bytes(env, disks, data, dst, watchdog, step, what):
+    """Step FAULT_STEP's states crossing: armed, so that exchange_chunk kills in its second round."""
+    _rounds["armed"] = _is_rank() and f"step_{step:06d}" == _target[1] and what == "checkpoint states"
+    return _real_exchange_bytes(env, disks, data, dst, watchdog, step, what)
+
+
+def sabotaged_exchange_chunk(*args, **kwargs) -> None:
+    if _rounds["armed"]:
+        _rounds["done"] += 1
+        if _rounds["done"] == 2:
+            _then()
+    _real_exchange_chunk(*args, **kwargs)
+
+
+def sabotaged_send_bytes(env, disks, data, src, dst, watchdog, what):
+    """A restored file leaving its sender: cut in its second round (send_bytes sends its size first)."""
+    if env.rank != src or not _is_rank():
+        return _real_send_bytes(env, disks, data, src, dst, watchdog, what)
+    real_send, sent = checkpoint_transfer.dist.send, []
+
+    def send(*args, **kwargs):
+        sent.append(1)
+        if len(sent) == 3:  # its size, round 1, then round 2
+            _then()
+        return real_send(*args, **kwargs)
+
+    checkpoint_transfer.dist.send = send
+    try:
+        return _real_send_bytes(env, disks, data, src, dst, watchdog, what)
+    finally:
+        checkpoint_transfer.dist.send = real_send
+
+
+def sabotaged_bad_files(out_dir, step, marker, *progress):
+    if _is_rank() and "model.pt" in marker.get("sha256", {}):
+        _then()
+    return _real_bad_files(out_dir, step, marker, *progress)
+
+
 checkpoint_files.atomic_torch_save = sabotaged_save
 checkpoint_files.atomic_write_bytes = sabotaged_write_bytes
+if _target[2] in ("transfer", "restore", "check"):
+    checkpoint_transfer.CHUNK_BYTES = 8192
+    checkpoint_transfer.exchange_bytes = sabotaged_exchange_bytes
+    checkpoint_transfer.exchange_chunk = sabotaged_exchange_chunk
+    checkpoint.send_bytes = sabotaged_send_bytes
+    checkpoint.bad_files = sabotaged_bad_files
 
 from nanochat_cpu.train import main  # noqa: E402 - the patch must precede the import
 
