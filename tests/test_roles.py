@@ -439,11 +439,18 @@ def test_firewall_refuses_sources_off_the_lan_or_on_ipv6() -> None:
 
 # ---- train.yml refuses bad input before any node play --------------------------------------------
 
+# The example inventory's two hosts keep their addresses (the checks read them) but can never be
+# reached: ssh's proxy command is `false`, so a play that gets to them fails on this machine, UNREACHABLE,
+# without a packet sent to the example's LAN.
 LOCALHOST_INV = """all:
   hosts:
     localhost:
       ansible_connection: local
       ansible_python_interpreter: "{{ ansible_playbook_python }}"
+    workstation:
+      ansible_ssh_common_args: -o ProxyCommand=false
+    laptop:
+      ansible_ssh_common_args: -o ProxyCommand=false
 """
 
 
@@ -487,21 +494,23 @@ def test_bad_extra_vars_fail_before_any_node_play(tmp_path: Path, extra: list[st
 
 
 @pytest.mark.parametrize("playbook", ["train.yml", "sample.yml", "status.yml", "stop.yml"])
-@pytest.mark.parametrize("name", ["../..", "..", "d4/../../etc", "-d4", "*"])
+@pytest.mark.parametrize("name", ["../..", "..", "d4/../../etc", "-d4", "*", "d8\n"])
 def test_a_run_name_that_is_not_a_name_is_refused_before_any_node_is_touched(tmp_path: Path, playbook: str,
                                                                              name: str) -> None:
     """The name becomes a unit instance and a directory under the runs directory, which root and the
     service user act on: each entry point refuses one that could leave it, on the controller (the
-    example inventory's hosts are unreachable here: reaching one would show it)."""
+    example inventory's hosts are unreachable here: reaching one would show it). A name with a
+    newline after it passed the check once (a regex's $ matches before it), and stop.yml then
+    reported success and stopped nothing."""
     (tmp_path / "localhost.yml").write_text(LOCALHOST_INV)
     res = subprocess.run(
         [tool("ansible-playbook"), "-i", "inventory/example", "-i", str(tmp_path / "localhost.yml"), playbook,
-         "-e", f"run_name={name}"],
+         "-e", json.dumps({"run_name": name})],
         cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300,
     )
     out = res.stdout + res.stderr
     assert res.returncode != 0, out
-    assert f"run_name={name} must be 1-64 letters, digits" in " ".join(out.split()), out
+    assert " ".join(f"run_name={name} must be 1-64 letters, digits".split()) in " ".join(out.split()), out
     assert "UNREACHABLE" not in out, out
 
 
