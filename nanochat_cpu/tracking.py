@@ -133,7 +133,9 @@ class Tracker:
 
     def log_params(self, params: dict[str, Any]) -> None:
         if self.enabled:
-            self._submit("params", {k: str(v)[:500] for k, v in params.items()})
+            # the run's flags hold --tracking-uri: the store gets it as the journal shows it
+            shown = shown_uri(self.uri)
+            self._submit("params", {k: str(v).replace(self.uri, shown)[:500] for k, v in params.items()})
 
     def log_metrics(self, metrics: dict[str, float], step: int) -> None:
         if not self.enabled:

@@ -3,9 +3,16 @@ back, one that refuses the credentials. In-process, on loopback and a sqlite sto
 
 from __future__ import annotations
 
+import dataclasses
+import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -19,7 +26,7 @@ from nanochat_cpu import tracking
 from nanochat_cpu.config import TrainConfig
 from nanochat_cpu.dist import DistEnv
 from nanochat_cpu.tracking import Tracker, charts_link, finish_seconds, shown_uri
-from tests.trainer_runs import losses, run_torchrun, tiny_flags, train_target
+from tests.trainer_runs import free_port, kill_tree, losses, run_torchrun, tiny_flags, train_target
 
 STEP_BOUND_S = 0.2  # what one log call may cost the step loop
 SECRET = "pw-that-must-never-be-logged"
@@ -240,6 +247,48 @@ def test_the_charts_link_is_the_servers_page_or_a_local_stores_command_and_page(
     assert charts_link("https://mlflow.lan", page) == f"https://mlflow.lan/{page}"
     assert charts_link("sqlite:////srv/runs/d4/mlflow.db", page) == \
         f"`mlflow ui --backend-store-uri sqlite:////srv/runs/d4/mlflow.db`, then http://127.0.0.1:5000/{page}"
+
+
+@pytest.fixture(scope="module")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real MLflow tracking server on loopback (no auth of its own: credentials in the URI reach it
+    as a basic-auth header, which it ignores), on its own sqlite store."""
+    where = tmp_path_factory.mktemp("mlflow_server")
+    port = free_port()
+    cmd = [sys.executable, "-m", "mlflow", "server", "--backend-store-uri", f"sqlite:///{where / 'mlflow.db'}",
+           "--host", "127.0.0.1", "--port", str(port), "--workers", "1"]
+    with open(where / "server.log", "w") as log_file:
+        server = subprocess.Popen(cmd, env={**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "DO_NOT_TRACK": "true"},
+                                  stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        def healthy() -> bool:
+            assert server.poll() is None, (where / "server.log").read_text()
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=2) as answer:
+                    return answer.status == 200
+            except OSError:
+                return False
+        assert until(healthy, 120), (where / "server.log").read_text()
+        yield url
+    finally:
+        kill_tree(server.pid, signal.SIGKILL)
+        server.wait(timeout=30)
+
+
+def test_credentials_in_the_tracking_uri_stay_out_of_the_runs_params(server_url, tmp_path, monkeypatch):
+    """A user who writes user:password@ into --tracking-uri (a URL MLflow's client takes) finds it in
+    no param of the run: the trainer logs its flags, --tracking-uri among them, as the journal shows
+    the URI. (The store held the password in clear before.)"""
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "30")  # a real server on a loaded machine: no race
+    uri = server_url.replace("http://", f"http://trainer:{SECRET}@")
+    cfg = TrainConfig(tracking_uri=uri, out_dir=str(tmp_path), run_name="creds")
+    tracker = Tracker(cfg, DistEnv(), None)
+    tracker.log_params({**dataclasses.asdict(cfg), "world_size": 1})  # as train.py logs the run's flags
+    tracker.finish()
+    params = MlflowClient(tracking_uri=server_url).get_run(tracker.run_id).data.params
+    assert params["tracking_uri"] == server_url.replace("http://", "http://***@"), params
+    assert SECRET not in json.dumps(params), params
 
 
 def test_shown_uri_hides_credentials_only():
