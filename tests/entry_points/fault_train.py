@@ -164,11 +164,14 @@ def sabotaged_bad_files(out_dir, step, marker, *progress):
 
 checkpoint_files.atomic_torch_save = sabotaged_save
 checkpoint_files.atomic_write_bytes = sabotaged_write_bytes
-if _target[2] in ("transfer", "restore", "check"):
+if _target[2] in ("transfer", "restore", "check"):  # only the point asked for is sabotaged
     checkpoint_transfer.CHUNK_BYTES = 8192
+if _target[2] == "transfer":
     checkpoint_transfer.exchange_bytes = sabotaged_exchange_bytes
     checkpoint_transfer.exchange_chunk = sabotaged_exchange_chunk
+elif _target[2] == "restore":
     checkpoint.send_bytes = sabotaged_send_bytes
+elif _target[2] == "check":
     checkpoint.bad_files = sabotaged_bad_files
 
 from nanochat_cpu.train import main  # noqa: E402 - the patch must precede the import
